@@ -1,0 +1,52 @@
+"""One session per package (that package and core only, in a clean environment) and one for
+the cross-package tests in tests/. GPU tests are marked ``gpu`` and never run here.
+
+    uvx nox -l                 # list sessions
+    uvx nox -s core            # core alone
+    uvx nox -s engine_hf trainer_fsdp integration
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_existing_virtualenvs = True
+PY = os.environ.get("UV_PYTHON", "3.12")
+TEST_DEPS = ["pytest>=8", "pytest-asyncio>=0.24", "pytest-timeout>=2.3"]
+PACKAGES = {
+    "engine_hf": "packages/engine-hf",
+    "trainer_fsdp": "packages/trainer-fsdp",
+}
+
+
+@nox.session(python=PY)
+def core(session: nox.Session) -> None:
+    """Core alone: no plugin installed, no transformers (tests that need it skip)."""
+    session.install("./packages/core", *TEST_DEPS)
+    session.run("ferryman", "plugins")
+    session.run("pytest", "packages/core/tests", "-q", *session.posargs)
+
+
+def _plugin_session(name: str, path: str):
+    @nox.session(name=name, python=PY)
+    def _session(session: nox.Session) -> None:
+        session.install("./packages/core[tiny]", f"./{path}", *TEST_DEPS)
+        session.run("ferryman", "plugins")
+        session.run("pytest", f"{path}/tests", "-q", *session.posargs)
+
+    _session.__doc__ = f"{path} with core only."
+    return _session
+
+
+for _name, _path in PACKAGES.items():
+    globals()[_name] = _plugin_session(_name, _path)
+
+
+@nox.session(python=PY)
+def integration(session: nox.Session) -> None:
+    """The cross-package tests in tests/ with the whole workspace."""
+    session.install("./packages/core[tiny,plot]", *(f"./{p}" for p in PACKAGES.values()), *TEST_DEPS)
+    session.run("pytest", "tests", "-q", *session.posargs)

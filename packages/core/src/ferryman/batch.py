@@ -1,0 +1,151 @@
+"""TrainBatch: trajectories packed into right-padded tensors for the trainer.
+
+Layout: each row is ``prompt_ids + response_ids``, right-padded to the longest row. Every
+per-token tensor is [B, T] and aligned with ``input_ids``: position t describes token t
+(its log-prob is log p(token_t | tokens_<t)), so position 0 is never trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+
+from ferryman.types import Sample
+
+_PER_ROW = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "loss_mask",
+    "rollout_log_probs",
+    "token_versions",
+    "scores",
+    "group_index",
+    "old_log_probs",
+    "ref_log_probs",
+    "values",
+    "advantages",
+    "returns",
+    "is_weights",
+)
+
+
+@dataclass
+class TrainBatch:
+    input_ids: torch.Tensor
+    """[B, T] long, right-padded with the pad id."""
+    attention_mask: torch.Tensor
+    """[B, T] long, 1 on real tokens."""
+    position_ids: torch.Tensor
+    """[B, T] long."""
+    loss_mask: torch.Tensor
+    """[B, T] float, 1 on tokens the policy generated (the ones trained)."""
+    rollout_log_probs: torch.Tensor
+    """[B, T] float, log-probs reported by the engine (0 off the loss mask)."""
+    token_versions: torch.Tensor
+    """[B, T] long, weight version that generated each token (-1 off the loss mask)."""
+    scores: torch.Tensor
+    """[B] float, trajectory reward."""
+    group_index: torch.Tensor
+    """[B] long, which Sample (GRPO group) the row belongs to."""
+    old_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
+    """[B, T] rollout importance-sampling weights (recompute path), detached."""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum().item())
+
+    def select(self, rows: torch.Tensor | list[int]) -> TrainBatch:
+        """A batch of the given rows, trimmed to their longest sequence."""
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        changes: dict[str, Any] = {}
+        for name in _PER_ROW:
+            t = getattr(self, name)
+            changes[name] = None if t is None else t.index_select(0, idx)
+        out = replace(self, **changes)
+        lengths = out.attention_mask.sum(-1)
+        width = int(lengths.max().item()) if len(idx) else 0
+        trim: dict[str, Any] = {}
+        for f in fields(out):
+            t = getattr(out, f.name)
+            if isinstance(t, torch.Tensor) and t.dim() == 2:
+                trim[f.name] = t[:, :width]
+        return replace(out, **trim)
+
+    def micro_batches(self, max_tokens: int | None = None, max_rows: int | None = None):
+        """Split into micro-batches of at most ``max_rows`` rows and (if given) at most
+        ``max_tokens`` padded tokens (rows × longest row); rows are sorted by length first so that
+        padding stays small. A single row longer than ``max_tokens`` forms its own micro-batch.
+        Yields ``(row_indices, TrainBatch)``."""
+        lengths = self.attention_mask.sum(-1).tolist()
+        order = sorted(range(self.batch_size), key=lambda i: lengths[i])
+        current: list[int] = []
+        longest = 0
+        for i in order:
+            new_longest = max(longest, lengths[i])
+            too_many_rows = max_rows is not None and len(current) + 1 > max_rows
+            too_many_tokens = max_tokens is not None and new_longest * (len(current) + 1) > max_tokens
+            if current and (too_many_rows or too_many_tokens):
+                yield current, self.select(current)
+                current, new_longest = [], lengths[i]
+            current.append(i)
+            longest = new_longest
+        if current:
+            yield current, self.select(current)
+
+
+def build_train_batch(samples: list[Sample], pad_token_id: int) -> TrainBatch:
+    """Pack the trajectories of ``samples`` (each a GRPO group) into a TrainBatch."""
+    rows = []
+    for g, sample in enumerate(samples):
+        for traj in sample.trajectories:
+            traj.validate()
+            rows.append((g, traj))
+    if not rows:
+        raise ValueError("build_train_batch: no trajectories")
+    width = max(len(t.prompt_ids) + len(t.response_ids) for _, t in rows)
+    B = len(rows)
+    input_ids = torch.full((B, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, width), dtype=torch.long)
+    loss_mask = torch.zeros((B, width), dtype=torch.float32)
+    rollout_lp = torch.zeros((B, width), dtype=torch.float32)
+    versions = torch.full((B, width), -1, dtype=torch.long)
+    scores = torch.zeros(B, dtype=torch.float32)
+    group = torch.zeros(B, dtype=torch.long)
+    for r, (g, t) in enumerate(rows):
+        p, n = len(t.prompt_ids), len(t.response_ids)
+        input_ids[r, : p + n] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
+        attention_mask[r, : p + n] = 1
+        if n:
+            loss_mask[r, p : p + n] = torch.tensor(t.response_mask, dtype=torch.float32)
+            rollout_lp[r, p : p + n] = torch.tensor(t.rollout_log_probs, dtype=torch.float32)
+            versions[r, p : p + n] = torch.tensor(t.token_versions, dtype=torch.long)
+        scores[r] = float(t.reward if t.reward is not None else 0.0)
+        group[r] = g
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        loss_mask=loss_mask,
+        rollout_log_probs=rollout_lp,
+        token_versions=versions,
+        scores=scores,
+        group_index=group,
+    )

@@ -1,0 +1,107 @@
+"""``ferryman`` command line: ``train``, ``plugins``, ``config``, ``tiny-model``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+import yaml
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from ferryman.plugins import PluginHost
+
+    print(PluginHost().describe())
+    return 0
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+    from ferryman.config import load_config
+    from ferryman.plugins import PluginHost
+
+    host = PluginHost()
+    cfg, _ = load_config(args.config, args.overrides, host)
+    return cfg, host
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    cfg, _ = _load(args)
+    out = cfg.model_dump(mode="json")
+    out["_derived"] = {"mode": cfg.async_training.mode, **cfg.funnel()}
+    print(yaml.safe_dump(out, sort_keys=False), end="")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from ferryman.runner import run
+
+    cfg, host = _load(args)
+    f = cfg.funnel()
+    print(
+        f"ferryman: mode ({cfg.async_training.mode}), {cfg.rollout.num_replicas} engine replica(s), "
+        f"window {f['window_samples']} samples, max_required {f['max_required_samples']}, "
+        f"max_concurrent {f['max_concurrent_samples']}, run_dir {cfg.run_dir}",
+        flush=True,
+    )
+    summary = run(cfg, host)
+    steps = summary.get("steps") or []
+    print(f"ferryman: finished {len(steps)} steps in {summary.get('wall_s', 0):.1f}s; metrics in {cfg.run_dir}/metrics.jsonl", flush=True)
+    return 0
+
+
+def _cmd_tiny(args: argparse.Namespace) -> int:
+    from ferryman.tiny import build_tiny_model
+
+    path = build_tiny_model(args.path, vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
+    print(json.dumps({"path": str(path)}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ferryman", description="Fully asynchronous RL for LLM agents.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sp = sub.add_parser("plugins", help="list installed plugins and what they register")
+    sp.set_defaults(func=_cmd_plugins)
+
+    for name, func, text in (
+        ("train", _cmd_train, "run a training job"),
+        ("config", _cmd_config, "print the validated config with derived numbers"),
+    ):
+        sp = sub.add_parser(name, help=text)
+        sp.add_argument("config", help="YAML config file")
+        sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. async_training.staleness_threshold=0.5")
+        sp.set_defaults(func=func)
+
+    sp = sub.add_parser("tiny-model", help="build a tiny Qwen-style model directory")
+    sp.add_argument("path")
+    sp.add_argument("--vocab-size", type=int, default=160)
+    sp.add_argument("--hidden-size", type=int, default=64)
+    sp.add_argument("--num-layers", type=int, default=2)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.set_defaults(func=_cmd_tiny)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from ferryman.config import ConfigError
+    from ferryman.plugins import PluginError
+
+    try:
+        return args.func(args)
+    except (ConfigError, PluginError) as e:
+        print(f"ferryman: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ferryman: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""Run configuration: pydantic models, YAML files, dotted command-line overrides.
+
+Plugin sections (``engine``, ``trainer``, ``env``, ``router``, ``queue``, ``weight_sync``,
+``trackers``) are chosen by their ``type`` field, which must be the name a plugin registered;
+their remaining fields are validated by that plugin's own config class. Every error names the
+field and, where the field has a fixed set of values, the allowed ones, before anything starts.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ferryman.plugins import PluginHost
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before anything starts."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class PluginConfig(Strict):
+    """Base of every plugin's config class: ``type`` is the registered name."""
+
+    type: str
+
+
+class ModelConfig(Strict):
+    path: str = "runs/tiny-model"
+    """A transformers model directory (config, weights, tokenizer, chat template)."""
+    build_tiny: bool = False
+    """If the directory does not exist, build a tiny Qwen-style model there (random weights,
+    locally trained tokenizer, chat template with tool calls)."""
+    tiny_hidden_size: int = Field(64, gt=0)
+    tiny_num_layers: int = Field(2, gt=0)
+    tiny_vocab_size: int = Field(160, ge=64)
+
+
+class RolloutConfig(Strict):
+    n: int = Field(4, ge=1)
+    """Trajectories per task (the GRPO group size)."""
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    num_replicas: int = Field(1, ge=1)
+    """Engine replicas (= rollout GPUs / tensor parallel size)."""
+    max_concurrency_per_replica: int = Field(16, ge=1)
+    """Trajectories each replica serves at once (VeRL's ``concurrent_samples_per_replica``)."""
+    total_rollout_steps: int | None = Field(None, ge=1)
+    """Stop admitting tasks after this many samples (default: unlimited)."""
+
+
+class AsyncTrainingConfig(Strict):
+    """The three knobs (plus ``require_batches``) that select modes (a)–(d)."""
+
+    trigger_parameter_sync_step: int = Field(1, ge=1)
+    """Local trainer steps between two weight syncs."""
+    staleness_threshold: float = Field(0.0, ge=0.0)
+    """Extra share of samples the Rollouter may produce ahead of the trainer per window."""
+    partial_rollout: bool = False
+    """Abort in-flight generation at a sync and resume it afterwards (needs staleness > 0)."""
+    require_batches: int = Field(1, ge=1)
+    """Mini-batches gathered for one local step."""
+
+    @model_validator(mode="after")
+    def partial_rollout_needs_staleness(self) -> AsyncTrainingConfig:
+        if self.partial_rollout and self.staleness_threshold == 0:
+            raise ValueError(
+                "partial_rollout=True with staleness_threshold=0 is meaningless: a window admits "
+                "no sample that spans two versions; set staleness_threshold > 0 or turn "
+                "partial_rollout off"
+            )
+        return self
+
+    @property
+    def mode(self) -> str:
+        if self.staleness_threshold == 0:
+            return "a" if self.trigger_parameter_sync_step == 1 else "b"
+        return "d" if self.partial_rollout else "c"
+
+
+class RolloutCorrectionConfig(Strict):
+    level: Literal["none", "token", "sequence"] = "token"
+    """Rollout importance-sampling correction when ``bypass_mode`` is off."""
+    threshold: float = Field(2.0, gt=0)
+    """Upper truncation of the IS weight."""
+
+
+class AlgorithmConfig(Strict):
+    adv_estimator: Literal["grpo", "gae"] = "grpo"
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    grpo_norm_by_std: bool = True
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.2, ge=0)
+    """Set above ``clip_ratio_low`` for DAPO's clip-higher."""
+    clip_ratio_c: float = Field(3.0, gt=1)
+    """Dual-clip bound for negative advantages."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    entropy_coeff: float = 0.0
+    kl_coef: float = Field(0.0, ge=0)
+    """KL-to-reference loss coefficient (0 turns the reference model off)."""
+    kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    value_clip: float = Field(0.5, gt=0)
+    bypass_mode: bool = True
+    """old_log_prob = rollout log-prob (no recompute). Off: recompute with the trainer and
+    apply rollout importance-sampling correction."""
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
+
+
+class TrainerLoopConfig(Strict):
+    ppo_mini_batch_size: int = Field(4, ge=1)
+    """Samples (tasks, each with ``rollout.n`` trajectories) per mini-batch."""
+    total_steps: int = Field(50, ge=1)
+    """Local trainer steps to run."""
+    weight_bucket_megabytes: float = Field(64, gt=0)
+
+
+class RunConfig(Strict):
+    """The whole run."""
+
+    seed: int = 0
+    run_dir: str = "runs/default"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    async_training: AsyncTrainingConfig = Field(default_factory=AsyncTrainingConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    training: TrainerLoopConfig = Field(default_factory=TrainerLoopConfig)
+    env: dict[str, Any] = Field(default_factory=lambda: {"type": "digits"})
+    engine: dict[str, Any] = Field(default_factory=lambda: {"type": "hf"})
+    trainer: dict[str, Any] = Field(default_factory=lambda: {"type": "fsdp"})
+    router: dict[str, Any] = Field(default_factory=lambda: {"type": "local"})
+    queue: dict[str, Any] = Field(default_factory=lambda: {"type": "ray"})
+    weight_sync: dict[str, Any] = Field(default_factory=lambda: {"type": "object_store"})
+    trackers: list[dict[str, Any]] = Field(default_factory=lambda: [{"type": "jsonl"}])
+    runtime: Literal["ray", "inline"] = "ray"
+    """``ray``: Rollouter, MessageQueue, engines and Trainer are Ray actors (local Ray on a laptop).
+    ``inline``: all of them on one asyncio loop in this process (tests, debugging)."""
+    ray_num_cpus: int | None = None
+    engine_threads: int = Field(1, ge=1)
+    """torch threads per engine replica."""
+    trainer_threads: int = Field(1, ge=1)
+    """torch threads of the trainer process."""
+    log_every: int = Field(1, ge=1)
+
+    # ---- derived numbers (seed §07 funnel, §06 quota) ----
+    @property
+    def required_samples(self) -> int:
+        """Samples one local step consumes: ``require_batches × ppo_mini_batch_size``."""
+        return self.async_training.require_batches * self.training.ppo_mini_batch_size
+
+    def funnel(self) -> dict[str, int]:
+        return compute_funnel(
+            ppo_mini_batch_size=self.training.ppo_mini_batch_size,
+            staleness_threshold=self.async_training.staleness_threshold,
+            require_batches=self.async_training.require_batches,
+            trigger_parameter_sync_step=self.async_training.trigger_parameter_sync_step,
+            num_replicas=self.rollout.num_replicas,
+            max_concurrency_per_replica=self.rollout.max_concurrency_per_replica,
+        )
+
+
+def compute_funnel(
+    *,
+    ppo_mini_batch_size: int,
+    staleness_threshold: float,
+    require_batches: int,
+    trigger_parameter_sync_step: int,
+    num_replicas: int,
+    max_concurrency_per_replica: int,
+) -> dict[str, int]:
+    """The concurrency funnel of seed §07.
+
+    ``window_samples`` = samples the trainer consumes between two syncs; ``max_required_samples``
+    = what the Rollouter may produce in one window, ``(1 + staleness) × window_samples``.
+    """
+    window = trigger_parameter_sync_step * require_batches * ppo_mini_batch_size
+    max_required = int(math.floor((1 + staleness_threshold) * window + 1e-9))
+    max_concurrent = min(num_replicas * max_concurrency_per_replica, max_required)
+    return {
+        "window_samples": window,
+        "max_required_samples": max_required,
+        "num_replicas": num_replicas,
+        "max_concurrent_samples": max_concurrent,
+        "max_queue_size": max_required,
+    }
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse an override value as YAML (``1`` → int, ``true`` → bool, ``[1,2]`` → list)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides to a nested dict (in place; returned for chaining)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. async_training.staleness_threshold=0.5")
+        key, _, raw = item.partition("=")
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r}: empty key segment in {key!r}")
+        node = data
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                path = ".".join(parts[: depth + 1])
+                raise ConfigError(f"override {item!r}: {path} is not a section")
+            node = child
+        node[parts[-1]] = _parse_scalar(raw)
+    return data
+
+
+def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in (prefix.split(".") if prefix else []) + list(e["loc"]) if p != "")
+        msg = e["msg"]
+        ctx = e.get("ctx") or {}
+        if e["type"] == "literal_error" and "expected" in ctx:
+            msg = f"{msg} (allowed: {ctx['expected']})"
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"  {loc or '<root>'}: {msg}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    host: PluginHost | None = None,
+) -> tuple[RunConfig, dict[str, Any]]:
+    """Read YAML, apply overrides, validate the core sections and every plugin section.
+
+    Returns the RunConfig and the validated plugin configs by section name (``"trackers"`` maps
+    to a list). Raises ConfigError naming the field.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r}: top level must be a mapping")
+        data = loaded
+    # plugin sections start from their defaults so that `env.num_tasks=5` keeps `type`
+    for name, fld in RunConfig.model_fields.items():
+        if name in ROLE_OF_SECTION and name not in data and fld.default_factory is not None:
+            data[name] = fld.default_factory()
+    apply_overrides(data, overrides or [])
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e)) from None
+    plugin_cfgs = validate_plugin_sections(cfg, host) if host is not None else {}
+    return cfg, plugin_cfgs
+
+
+ROLE_OF_SECTION = {
+    "engine": "engine",
+    "trainer": "trainer",
+    "env": "env",
+    "router": "router",
+    "queue": "queue",
+    "weight_sync": "weight_sync",
+}
+
+
+def validate_plugin_section(host: PluginHost, role: str, section: str, raw: Any) -> PluginConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{section}: must be a mapping with a 'type' field")
+    specs = host.specs(role)
+    allowed = ", ".join(sorted(specs)) or "(none installed)"
+    name = raw.get("type")
+    if name is None:
+        raise ConfigError(f"{section}.type: missing (allowed: {allowed})")
+    if name not in specs:
+        raise ConfigError(f"{section}.type: unknown {role} {name!r} (allowed: {allowed})")
+    try:
+        return specs[name].config_cls.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, section)) from None
+
+
+def validate_plugin_sections(cfg: RunConfig, host: PluginHost) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for section, role in ROLE_OF_SECTION.items():
+        out[section] = validate_plugin_section(host, role, section, getattr(cfg, section))
+    out["trackers"] = [
+        validate_plugin_section(host, "tracker", f"trackers.{i}", t) for i, t in enumerate(cfg.trackers)
+    ]
+    return out

@@ -1,0 +1,258 @@
+"""The Rollouter: keeps the engines busy with agent runs, within the staleness quota.
+
+Admission of a new task (one Sample = ``rollout.n`` agent runs of one task) needs, all at once
+(seed §06, §07):
+
+* no weight sync in progress (``pause_for_sync`` … ``reset_staleness``);
+* ``window_admitted < max_required_samples`` where ``max_required_samples = (1 + staleness) ×
+  trigger × require_batches × ppo_mini_batch_size`` and ``window_admitted`` started the window at
+  ``num_staleness_sample`` = samples carried over (in flight + queued) at the last sync;
+* fewer than ``max_concurrent_samples`` samples in flight.
+
+So between two syncs the Rollouter produces at most ``(1 + s) × W − num_staleness_sample``
+samples: what one window over-produced, the next produces less; the total is conserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ferryman.protocols import Env, GenerateClient, Queue
+from ferryman.types import Sample, SamplingParams, Trajectory, new_id
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WindowRecord:
+    """What happened between two syncs (for tests, metrics and the timeline)."""
+
+    version: int
+    carried: int
+    """``num_staleness_sample`` at the start of the window."""
+    admitted: int = 0
+    """New samples admitted during the window."""
+    quota: int = 0
+    """``max_required_samples - carried``: the most the window may admit."""
+    dropped: int = 0
+    """Samples whose every run failed during the window (their quota slot is given back)."""
+    start_time: float = field(default_factory=time.time)
+
+
+class Rollouter:
+    def __init__(
+        self,
+        *,
+        env: Env,
+        client: GenerateClient,
+        queue: Queue,
+        n: int,
+        sampling: SamplingParams,
+        max_required_samples: int,
+        max_concurrent_samples: int,
+        total_samples: int | None = None,
+        seed: int = 0,
+        on_sample: Any = None,
+        shuffle: bool = True,
+    ) -> None:
+        if max_required_samples < 1 or max_concurrent_samples < 1:
+            raise ValueError("Rollouter: max_required_samples and max_concurrent_samples must be >= 1")
+        self.env = env
+        self.client = client
+        self.queue = queue
+        self.n = n
+        self.sampling = sampling
+        self.max_required_samples = max_required_samples
+        self.max_concurrent_samples = max_concurrent_samples
+        self.total_samples = total_samples
+        self.on_sample = on_sample
+        self._rng = random.Random(seed)
+        self._shuffle = shuffle
+        self._order: list[int] = []
+        self._cursor = 0
+        self.epoch = 0
+
+        self.version = 0
+        self.window_admitted = 0
+        self.windows: list[WindowRecord] = [WindowRecord(version=0, carried=0, quota=max_required_samples)]
+        self.active: dict[str, asyncio.Task[None]] = {}
+        self.paused = False
+        self.stopped = False
+        self._cond: asyncio.Condition | None = None
+        self._fit_task: asyncio.Task[None] | None = None
+
+        self.total_admitted = 0
+        self.total_produced = 0
+        self.total_dropped_samples = 0
+        self.total_failed_trajectories = 0
+        self.max_active_seen = 0
+        self._busy_s = 0.0
+        self._busy_since: float | None = None
+        self._start = time.monotonic()
+
+    # ---------------------------------------------------------------- admission
+    @property
+    def cond(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    def _can_admit(self) -> bool:
+        if self.stopped:
+            return True
+        if self.paused or len(self.active) >= self.max_concurrent_samples:
+            return False
+        if self.total_samples is not None and self.total_admitted >= self.total_samples:
+            return False
+        return self.window_admitted < self.max_required_samples
+
+    def _next_task_index(self) -> int:
+        num = self.env.num_tasks()
+        if num < 1:
+            raise ValueError("env has no tasks")
+        if self._cursor >= len(self._order):
+            self._order = list(range(num))
+            if self._shuffle:
+                self._rng.shuffle(self._order)
+            self._cursor = 0
+            self.epoch += 1
+        idx = self._order[self._cursor]
+        self._cursor += 1
+        return idx
+
+    def _mark_activity(self) -> None:
+        now = time.monotonic()
+        if self.active and self._busy_since is None:
+            self._busy_since = now
+        elif not self.active and self._busy_since is not None:
+            self._busy_s += now - self._busy_since
+            self._busy_since = None
+
+    async def fit(self) -> None:
+        """Admit tasks until stopped (or ``total_samples`` were admitted and finished)."""
+        cond = self.cond
+        while True:
+            async with cond:
+                await cond.wait_for(self._can_admit)
+                if self.stopped:
+                    break
+                index = self._next_task_index()
+                self.window_admitted += 1
+                self.total_admitted += 1
+                self.windows[-1].admitted += 1
+                uid = new_id("s-")
+                self.active[uid] = asyncio.create_task(self._run_sample(uid, index, self.version))
+                self.max_active_seen = max(self.max_active_seen, len(self.active))
+                self._mark_activity()
+            if self.total_samples is not None and self.total_admitted >= self.total_samples:
+                async with cond:
+                    await cond.wait_for(lambda: self.stopped or not self.active)
+                break
+
+    async def _run_one(self, task: dict[str, Any], request_id: str) -> Trajectory | None:
+        try:
+            traj = await self.env.run(task, request_id, self.client, self.sampling)
+            traj.validate()
+            if traj.reward is None:
+                raise ValueError(f"env returned trajectory {request_id} without a reward")
+            return traj
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed agent run is counted and dropped
+            self.total_failed_trajectories += 1
+            log.warning("agent run %s failed: %r", request_id, e)
+            return None
+
+    async def _run_sample(self, uid: str, index: int, version: int) -> None:
+        put_ok = False
+        try:
+            t0 = time.time()
+            task = self.env.get_task(index)
+            results = await asyncio.gather(*(self._run_one(task, new_id("r-")) for _ in range(self.n)))
+            trajs = [t for t in results if t is not None]
+            if not trajs:
+                self.total_dropped_samples += 1
+                return
+            sample = Sample(
+                uid=uid,
+                task_index=index,
+                trajectories=trajs,
+                created_version=version,
+                timings={"generate_start": t0, "generate_end": time.time()},
+                dropped=self.n - len(trajs),
+            )
+            if self.on_sample is not None:
+                self.on_sample(sample)
+            put_ok = await self.queue.put(sample)
+            if put_ok:
+                self.total_produced += 1
+        finally:
+            async with self.cond:
+                self.active.pop(uid, None)
+                if not put_ok and not self.stopped:
+                    # nothing reached the trainer: give the quota slot back so no window starves
+                    self.window_admitted -= 1
+                    self.windows[-1].dropped += 1
+                self._mark_activity()
+                self.cond.notify_all()
+
+    # ---------------------------------------------------------------- sync protocol
+    async def pause_for_sync(self, wait_for_active: bool) -> float:
+        """Stop admitting. ``wait_for_active`` (no partial rollout): also wait until every
+        sample in flight is finished and queued ("wait active task finish"). Returns the wait."""
+        t0 = time.monotonic()
+        async with self.cond:
+            self.paused = True
+            if wait_for_active:
+                await self.cond.wait_for(lambda: not self.active or self.stopped)
+        return time.monotonic() - t0
+
+    async def reset_staleness(self, version: int) -> int:
+        """After a sync: in-flight and queued samples count toward the new window; resume.
+        Returns ``num_staleness_sample``."""
+        async with self.cond:
+            self.version = version
+            carried = len(self.active) + await self.queue.qsize()
+            self.window_admitted = carried
+            self.windows.append(
+                WindowRecord(version=version, carried=carried, quota=max(0, self.max_required_samples - carried))
+            )
+            self.paused = False
+            self.cond.notify_all()
+            return carried
+
+    async def stop(self, cancel: bool = True) -> None:
+        async with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        tasks = list(self.active.values())
+        if cancel:
+            for t in tasks:
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---------------------------------------------------------------- reporting
+    def stats(self) -> dict[str, float]:
+        now = time.monotonic()
+        busy = self._busy_s + ((now - self._busy_since) if self._busy_since is not None else 0.0)
+        elapsed = max(now - self._start, 1e-9)
+        return {
+            "rollouter/version": float(self.version),
+            "rollouter/active": float(len(self.active)),
+            "rollouter/window_admitted": float(self.window_admitted),
+            "rollouter/total_admitted": float(self.total_admitted),
+            "rollouter/total_produced": float(self.total_produced),
+            "rollouter/dropped_samples": float(self.total_dropped_samples),
+            "rollouter/failed_trajectories": float(self.total_failed_trajectories),
+            "rollouter/max_active_seen": float(self.max_active_seen),
+            "rollouter/idle_ratio": 1.0 - busy / elapsed,
+            "rollouter/epoch": float(self.epoch),
+        }
+
+    def window_log(self) -> list[dict[str, Any]]:
+        return [vars(w).copy() for w in self.windows]

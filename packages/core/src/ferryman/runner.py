@@ -1,0 +1,290 @@
+"""Builds a run from its config and drives it: MessageQueue, engine replicas, Rollouter, Trainer.
+
+With ``runtime: ray`` each role is a Ray actor (the Rollouter, the MessageQueue, one actor per
+engine replica, the Trainer); with ``runtime: inline`` the same objects share one asyncio
+loop in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ferryman.client import ServerClient
+from ferryman.config import ConfigError, RunConfig, validate_plugin_sections
+from ferryman.engine_host import EngineHandle, spawn_engine_actors
+from ferryman.plugins import PluginHost
+from ferryman.rollouter import Rollouter
+from ferryman.sync import Synchronizer
+from ferryman.trainer_loop import Trainer
+from ferryman.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def _load_tokenizer(path: str) -> Any:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ConfigError("model: loading a tokenizer needs transformers (pip install 'ferryman[tiny]')") from e
+    return AutoTokenizer.from_pretrained(path)
+
+
+def prepare_model(cfg: RunConfig) -> None:
+    """Build the tiny model if asked to and the directory is missing."""
+    path = Path(cfg.model.path)
+    if cfg.model.build_tiny:
+        from ferryman.tiny import build_tiny_model
+
+        build_tiny_model(
+            path,
+            vocab_size=cfg.model.tiny_vocab_size,
+            hidden_size=cfg.model.tiny_hidden_size,
+            num_layers=cfg.model.tiny_num_layers,
+            seed=cfg.seed,
+        )
+    elif not (path / "config.json").is_file():
+        raise ConfigError(f"model.path: {str(path)!r} is not a model directory (no config.json); set model.build_tiny=true to build a tiny one")
+
+
+# --------------------------------------------------------------------------- role builders
+
+
+def build_rollouter(cfg: RunConfig, host: PluginHost, plugin_cfgs: dict[str, Any], queue: Any, engines: list[Any]) -> Rollouter:
+    tokenizer = _load_tokenizer(cfg.model.path)
+    env = host.create("env", plugin_cfgs["env"], tokenizer=tokenizer, seed=cfg.seed)
+    router = host.create("router", plugin_cfgs["router"], replicas=[e.name for e in engines], seed=cfg.seed)
+    client = ServerClient(router, {e.name: e for e in engines}, partial_rollout=cfg.async_training.partial_rollout)
+    funnel = cfg.funnel()
+    sampling = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
+    return Rollouter(
+        env=env,
+        client=client,
+        queue=queue,
+        n=cfg.rollout.n,
+        sampling=sampling,
+        max_required_samples=funnel["max_required_samples"],
+        max_concurrent_samples=funnel["max_concurrent_samples"],
+        total_samples=cfg.rollout.total_rollout_steps,
+        seed=cfg.seed,
+        on_sample=lambda s: host.notify("ferryman_on_sample_produced", sample=s),
+    )
+
+
+def build_trainer(
+    cfg: RunConfig, host: PluginHost, plugin_cfgs: dict[str, Any], queue: Any, engines: list[Any], rollouter: Any, stats_sources: list[Any]
+) -> tuple[Trainer, list[Any]]:
+    tokenizer = _load_tokenizer(cfg.model.path)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    backend = host.create("trainer", plugin_cfgs["trainer"], model_path=cfg.model.path, algorithm=cfg.algorithm, seed=cfg.seed)
+    if cfg.algorithm.adv_estimator == "gae" and not backend.has_critic:
+        raise ConfigError("algorithm.adv_estimator: 'gae' needs a critic; set trainer.use_critic=true or use 'grpo'")
+    transport = host.create("weight_sync", plugin_cfgs["weight_sync"])
+    trackers = [host.create("tracker", t, run_dir=cfg.run_dir) for t in plugin_cfgs["trackers"]]
+    synchronizer = Synchronizer(
+        backend=backend,
+        transport=transport,
+        engines=engines,
+        rollouter=rollouter,
+        partial_rollout=cfg.async_training.partial_rollout,
+        bucket_bytes=int(cfg.training.weight_bucket_megabytes * 2**20),
+        on_synced=lambda v, m: host.notify("ferryman_on_weights_synced", version=v, metrics=m),
+    )
+
+    async def on_metrics(step: int, metrics: dict[str, float]) -> None:
+        if step % cfg.log_every:
+            return
+        for source in stats_sources:
+            try:
+                metrics.update(await source())
+            except Exception as e:  # noqa: BLE001 - stats are best effort
+                log.debug("stats source failed: %r", e)
+        for tracker in trackers:
+            tracker.log(metrics, step)
+
+    trainer = Trainer(
+        cfg=cfg,
+        backend=backend,
+        queue=queue,
+        synchronizer=synchronizer,
+        pad_token_id=int(pad),
+        on_metrics=on_metrics,
+        on_step_end=lambda step, m: host.notify("ferryman_on_step_end", step=step, metrics=m),
+    )
+    return trainer, trackers
+
+
+# --------------------------------------------------------------------------- Ray actors
+
+
+class RolloutActor:
+    def __init__(self, cfg: RunConfig, queue: Any, engines: list[EngineHandle]) -> None:
+        host = PluginHost()
+        self.rollouter = build_rollouter(cfg, host, validate_plugin_sections(cfg, host), queue, engines)
+
+    async def fit(self) -> None:
+        await self.rollouter.fit()
+
+    async def pause_for_sync(self, wait_for_active: bool) -> float:
+        return await self.rollouter.pause_for_sync(wait_for_active)
+
+    async def reset_staleness(self, version: int) -> int:
+        return await self.rollouter.reset_staleness(version)
+
+    async def stop(self) -> None:
+        await self.rollouter.stop()
+
+    async def stats(self) -> dict[str, float]:
+        out = self.rollouter.stats()
+        out.update(await self.rollouter.client.router.stats())
+        return out
+
+    async def window_log(self) -> list[dict[str, Any]]:
+        return self.rollouter.window_log()
+
+
+class _RemoteRollouter:
+    """Lets the Synchronizer await a Rollouter actor like a local object."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    async def pause_for_sync(self, wait_for_active: bool) -> float:
+        return await self.actor.pause_for_sync.remote(wait_for_active)
+
+    async def reset_staleness(self, version: int) -> int:
+        return await self.actor.reset_staleness.remote(version)
+
+
+class TrainerActor:
+    def __init__(self, cfg: RunConfig, queue: Any, engines: list[EngineHandle], rollouter_actor: Any) -> None:
+        import torch
+
+        torch.set_num_threads(cfg.trainer_threads)
+        host = PluginHost()
+        self.queue = queue
+        sources = [lambda: rollouter_actor.stats.remote(), queue.stats]
+        self.trainer, self.trackers = build_trainer(
+            cfg, host, validate_plugin_sections(cfg, host), queue, engines, _RemoteRollouter(rollouter_actor), sources
+        )
+
+    async def fit(self) -> dict[str, Any]:
+        try:
+            records = await self.trainer.fit()
+        finally:
+            for t in self.trackers:
+                t.close()
+        return {"steps": records, "syncs": self.trainer.synchronizer.history}
+
+
+# --------------------------------------------------------------------------- driver
+
+
+async def _run_inline(cfg: RunConfig, host: PluginHost, plugin_cfgs: dict[str, Any]) -> dict[str, Any]:
+    funnel = cfg.funnel()
+    queue = host.create("queue", plugin_cfgs["queue"].model_copy(update={"type": "local"}), maxsize=funnel["max_queue_size"])
+    engines = []
+    for i in range(cfg.rollout.num_replicas):
+        name = f"replica-{i}"
+        engine = host.create("engine", plugin_cfgs["engine"], model_path=cfg.model.path, replica=name, seed=cfg.seed + i)
+        engines.append(EngineHandle(name, engine=engine))
+    await asyncio.gather(*(e.start() for e in engines))
+    rollouter = build_rollouter(cfg, host, plugin_cfgs, queue, engines)
+
+    async def rollouter_stats() -> dict[str, float]:
+        return {**rollouter.stats(), **(await rollouter.client.router.stats())}
+
+    trainer, trackers = build_trainer(cfg, host, plugin_cfgs, queue, engines, rollouter, [rollouter_stats, queue.stats])
+    fit = asyncio.create_task(rollouter.fit())
+    try:
+        records = await trainer.fit()
+    finally:
+        await rollouter.stop()
+        await queue.close()
+        fit.cancel()
+        await asyncio.gather(fit, return_exceptions=True)
+        for t in trackers:
+            t.close()
+        await asyncio.gather(*(e.shutdown() for e in engines), return_exceptions=True)
+        trainer.backend.close()
+    return {
+        "steps": records,
+        "syncs": trainer.synchronizer.history,
+        "windows": rollouter.window_log(),
+        "rollouter": rollouter.stats(),
+        "funnel": funnel,
+    }
+
+
+async def _run_ray(cfg: RunConfig, host: PluginHost, plugin_cfgs: dict[str, Any]) -> dict[str, Any]:
+    import ray
+
+    funnel = cfg.funnel()
+    queue = host.create("queue", plugin_cfgs["queue"], maxsize=funnel["max_queue_size"])
+    engines = spawn_engine_actors(
+        cfg.engine, model_path=cfg.model.path, num_replicas=cfg.rollout.num_replicas, seed=cfg.seed, num_threads=cfg.engine_threads
+    )
+    await asyncio.gather(*(e.start() for e in engines))
+    rollouter = ray.remote(num_cpus=0, max_concurrency=1000)(RolloutActor).remote(cfg, queue, engines)
+    trainer = ray.remote(num_cpus=0, max_concurrency=100)(TrainerActor).remote(cfg, queue, engines, rollouter)
+    fit_ref = rollouter.fit.remote()
+    try:
+        result = await trainer.fit.remote()
+    finally:
+        await rollouter.stop.remote()
+        await queue.close()
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(fit_ref.future()), 30)
+        except Exception as e:  # noqa: BLE001
+            log.debug("rollouter fit ended with %r", e)
+    result["windows"] = await rollouter.window_log.remote()
+    result["rollouter"] = await rollouter.stats.remote()
+    result["funnel"] = funnel
+    return result
+
+
+def run(cfg: RunConfig, host: PluginHost | None = None) -> dict[str, Any]:
+    """Run a whole training job; returns a summary (also written to ``RUN_DIR/summary.json``)."""
+    host = host or PluginHost()
+    plugin_cfgs = validate_plugin_sections(cfg, host)
+    if cfg.runtime == "ray" and plugin_cfgs["queue"].type == "local":
+        raise ConfigError("queue.type: 'local' lives in one process; with runtime 'ray' use 'ray' (allowed: ray)")
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_model(cfg)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    host.notify("ferryman_on_run_start", config=cfg, run_dir=str(run_dir))
+    t0 = time.time()
+    summary: dict[str, Any] = {}
+    try:
+        if cfg.runtime == "inline":
+            summary = asyncio.run(_run_inline(cfg, host, plugin_cfgs))
+        else:
+            import ray
+
+            os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+            started = not ray.is_initialized()
+            if started:
+                ray.init(
+                    num_cpus=cfg.ray_num_cpus or os.cpu_count() or 1,
+                    include_dashboard=False,
+                    logging_level=logging.WARNING,
+                    runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}},
+                )
+            try:
+                summary = asyncio.run(_run_ray(cfg, host, plugin_cfgs))
+            finally:
+                if started:
+                    ray.shutdown()
+    finally:
+        summary["wall_s"] = time.time() - t0
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        host.notify("ferryman_on_run_end", run_dir=str(run_dir), metrics={"wall_s": summary["wall_s"]})
+    return summary

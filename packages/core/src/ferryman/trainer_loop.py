@@ -1,0 +1,230 @@
+"""The Trainer: takes samples one by one, trains, and syncs weights (seed §09's ten steps).
+
+``fit()`` is the whole control loop; each step is a short method named after the seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from ferryman import algorithms as algo
+from ferryman.batch import TrainBatch, build_train_batch
+from ferryman.config import AlgorithmConfig, RunConfig
+from ferryman.protocols import Queue, TrainerBackend
+from ferryman.types import Sample
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        cfg: RunConfig,
+        backend: TrainerBackend,
+        queue: Queue,
+        synchronizer: Any,
+        pad_token_id: int,
+        on_step_end: Any = None,
+        on_metrics: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.alg: AlgorithmConfig = cfg.algorithm
+        self.backend = backend
+        self.queue = queue
+        self.synchronizer = synchronizer
+        self.pad_token_id = pad_token_id
+        self.on_step_end = on_step_end
+        self.on_metrics = on_metrics
+        self.required_samples = cfg.required_samples
+        self.trigger = cfg.async_training.trigger_parameter_sync_step
+        self.current_param_version = 0
+        self.local_trigger_step = 0
+        self.global_step = 0
+        self.trained_sample_uids: list[str] = []
+        self.step_records: list[dict[str, Any]] = []
+        self._wait_s = 0.0
+        self._busy_s = 0.0
+        self._start = time.monotonic()
+
+    async def fit(self) -> list[dict[str, Any]]:
+        while self.global_step < self.cfg.training.total_steps:
+            t_step = time.monotonic()
+            samples, wait_s = await self._fit_generate()
+            if samples is None:
+                log.info("queue closed: trainer stops at step %d", self.global_step)
+                break
+            t_train = time.monotonic()
+            batch = build_train_batch(samples, self.pad_token_id)
+            m: dict[str, float] = {}
+            self._fit_compute_reward(batch, samples, m)
+            # compute runs in a worker thread so the actor's event loop stays responsive
+            await asyncio.to_thread(self._fit_compute_log_prob, batch, m)
+            await asyncio.to_thread(self._fit_compute_ref_log_prob, batch)
+            await asyncio.to_thread(self._fit_compute_critic, batch)
+            self._fit_compute_advantage(batch, m)
+            await asyncio.to_thread(self._fit_update_critic, batch, m)
+            await asyncio.to_thread(self._fit_update_actor, batch, m)
+            trained_version = self.current_param_version
+            self._staleness_metrics(batch, samples, m)
+            train_s = time.monotonic() - t_train
+            self._fit_update_local_step()
+            sync_metrics = await self._fit_update_weights()
+            m.update(sync_metrics)
+            self.global_step += 1
+            self._busy_s += train_s
+            self._wait_s += wait_s
+            m.update(
+                {
+                    "trainer/step": float(self.global_step),
+                    "trainer/version": float(trained_version),
+                    "timing/wait_samples_s": wait_s,
+                    "timing/train_s": train_s,
+                    "timing/step_s": time.monotonic() - t_step,
+                    "trainer/idle_ratio": 1.0 - self._busy_s / max(time.monotonic() - self._start, 1e-9),
+                    "perf/tokens": float(batch.num_tokens),
+                }
+            )
+            self.trained_sample_uids.extend(s.uid for s in samples)
+            self.step_records.append(
+                {
+                    "step": self.global_step,
+                    "version": trained_version,
+                    "sample_uids": [s.uid for s in samples],
+                    "min_token_version": int(m["staleness/min_token_version"]),
+                    "max_token_version": int(m["staleness/max_token_version"]),
+                    "created_versions": [s.created_version for s in samples],
+                }
+            )
+            if self.on_metrics is not None:
+                await _maybe_await(self.on_metrics(self.global_step, m))
+            if self.on_step_end is not None:
+                self.on_step_end(self.global_step, m)
+        return self.step_records
+
+    # ------------------------------------------------------------------ 1. samples
+    async def _fit_generate(self) -> tuple[list[Sample] | None, float]:
+        t0 = time.monotonic()
+        samples: list[Sample] = []
+        while len(samples) < self.required_samples:
+            sample = await self.queue.get()
+            if sample is None:
+                return None, time.monotonic() - t0
+            samples.append(sample)
+        return samples, time.monotonic() - t0
+
+    # ------------------------------------------------------------------ 2. reward
+    def _fit_compute_reward(self, batch: TrainBatch, samples: list[Sample], m: dict[str, float]) -> None:
+        # the env's verifier already scored each trajectory; batch.scores holds it
+        scores = batch.scores
+        m["reward/mean"] = float(scores.mean())
+        m["reward/max"] = float(scores.max())
+        m["reward/min"] = float(scores.min())
+        resp_len = batch.loss_mask.sum(-1)
+        m["response/length_mean"] = float(resp_len.mean())
+        m["response/aborted_ratio"] = float(sum(1 for s in samples for t in s.trajectories if t.num_aborts) / batch.batch_size)
+
+    # ------------------------------------------------------------------ 3. old log-prob
+    def _fit_compute_log_prob(self, batch: TrainBatch, m: dict[str, float]) -> None:
+        if self.alg.bypass_mode:
+            batch.old_log_probs = batch.rollout_log_probs.clone()
+            return
+        batch.old_log_probs = self.backend.compute_log_probs(batch)
+        level = self.alg.rollout_correction.level
+        weights, is_metrics = algo.rollout_is_weights(
+            batch.old_log_probs, batch.rollout_log_probs, batch.loss_mask, level=level, threshold=self.alg.rollout_correction.threshold
+        )
+        batch.is_weights = None if level == "none" else weights
+        m.update(is_metrics)
+
+    # ------------------------------------------------------------------ 4. reference
+    def _fit_compute_ref_log_prob(self, batch: TrainBatch) -> None:
+        if self.backend.has_reference and self.alg.kl_coef > 0:
+            batch.ref_log_probs = self.backend.compute_ref_log_probs(batch)
+
+    # ------------------------------------------------------------------ 5. values
+    def _fit_compute_critic(self, batch: TrainBatch) -> None:
+        if self.backend.has_critic:
+            batch.values = self.backend.compute_values(batch)
+
+    # ------------------------------------------------------------------ 6. advantages
+    def _fit_compute_advantage(self, batch: TrainBatch, m: dict[str, float]) -> None:
+        mask = batch.loss_mask
+        if self.alg.adv_estimator == "gae":
+            if batch.values is None:
+                raise RuntimeError("algorithm.adv_estimator=gae needs a critic (trainer.use_critic=true)")
+            rewards = algo.token_rewards_from_scores(batch.scores, mask)
+            adv, ret = algo.compute_gae(rewards, batch.values, mask, self.alg.gamma, self.alg.lam)
+            batch.advantages = algo.masked_whiten(adv, mask) * mask
+            batch.returns = ret
+        else:
+            batch.advantages = algo.compute_grpo_advantages(
+                batch.scores, batch.group_index, mask, norm_by_std=self.alg.grpo_norm_by_std
+            )
+        m["advantages/mean"] = float(algo.masked_mean(batch.advantages, mask))
+        m["advantages/abs_mean"] = float(algo.masked_mean(batch.advantages.abs(), mask))
+
+    # ------------------------------------------------------------------ 7./8. updates
+    def _fit_update_critic(self, batch: TrainBatch, m: dict[str, float]) -> None:
+        if self.backend.has_critic:
+            batch.meta["num_mini_batches"] = self.cfg.async_training.require_batches
+            m.update(self.backend.update_critic(batch))
+
+    def _fit_update_actor(self, batch: TrainBatch, m: dict[str, float]) -> None:
+        batch.meta["num_mini_batches"] = self.cfg.async_training.require_batches
+        m.update(self.backend.update_actor(batch))
+
+    # ------------------------------------------------------------------ 9. local step
+    def _fit_update_local_step(self) -> None:
+        self.local_trigger_step += 1
+
+    # ------------------------------------------------------------------ 10. weights
+    async def _fit_update_weights(self) -> dict[str, float]:
+        if self.local_trigger_step < self.trigger:
+            return {}
+        self.local_trigger_step = 0
+        self.current_param_version += 1
+        return await self.synchronizer.update_weights(self.current_param_version)
+
+    # ------------------------------------------------------------------ metrics
+    def _staleness_metrics(self, batch: TrainBatch, samples: list[Sample], m: dict[str, float]) -> None:
+        mask = batch.loss_mask > 0
+        versions = batch.token_versions[mask]
+        v = self.current_param_version
+        if versions.numel():
+            lag = (v - versions).tolist()
+            m["staleness/min_token_version"] = float(versions.min())
+            m["staleness/max_token_version"] = float(versions.max())
+            m["staleness/token_mean"] = sum(lag) / len(lag)
+            m["staleness/token_max"] = float(max(lag))
+            for k, c in sorted(Counter(lag).items()):
+                m[f"staleness/token_hist/{k}"] = float(c)
+        else:
+            m["staleness/min_token_version"] = m["staleness/max_token_version"] = float(v)
+        sample_lag = [v - s.min_version for s in samples if s.min_version >= 0]
+        m["staleness/sample_max"] = float(max(sample_lag, default=0))
+        m["staleness/stale_sample_ratio"] = sum(1 for x in sample_lag if x > 0) / max(len(samples), 1)
+        spans = [s.max_version - s.min_version for s in samples]
+        m["partial/partial_ratio"] = sum(1 for s in samples if s.num_aborts > 0) / max(len(samples), 1)
+        m["partial/max_span"] = float(max(spans, default=0))
+        with torch.no_grad():
+            if batch.old_log_probs is not None and not self.alg.bypass_mode:
+                diff = (batch.rollout_log_probs - batch.old_log_probs)[mask]
+                m["mismatch/k1"] = float(diff.mean()) if diff.numel() else 0.0
+                m["mismatch/abs_max"] = float(diff.abs().max()) if diff.numel() else 0.0
+        for key, value in list(m.items()):
+            if isinstance(value, float) and not math.isfinite(value):
+                log.warning("metric %s is not finite at step %d", key, self.global_step + 1)
+
+
+async def _maybe_await(x: Any) -> Any:
+    if asyncio.iscoroutine(x):
+        return await x
+    return x

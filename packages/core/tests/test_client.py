@@ -1,0 +1,113 @@
+"""The server client: routing, release in finally, and partial-rollout resume + merge."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ferryman.client import ReplicaFailedError, ServerClient
+from ferryman.defaults.router import LocalRouter
+from ferryman.engine_host import EngineHandle
+from ferryman.testing.doubles import EchoEngine
+from ferryman.types import SamplingParams
+
+
+def _client(n=2, partial=True, delay=0.01, **kw):
+    raw = {f"r{i}": EchoEngine(step_delay_s=delay, **kw) for i in range(n)}
+    engines = {k: EngineHandle(k, engine=v) for k, v in raw.items()}
+    router = LocalRouter(list(engines))
+    return ServerClient(router, engines, partial_rollout=partial), raw, router
+
+
+async def test_partial_rollout_merges_tokens_logprobs_versions_and_budget():
+    client, raw, router = _client(n=2)
+    params = SamplingParams(max_tokens=30)
+    task = asyncio.ensure_future(client.generate("traj-1", [10, 11], params))
+    await asyncio.sleep(0.055)  # ~5 tokens in
+    # a weight sync: abort in flight, load version 1 (shift 2), resume
+    await asyncio.gather(*(e.pause(abort=True) for e in raw.values()))
+    for e in raw.values():
+        await e.load_weights([("shift", __import__("torch").tensor([2.0]))])
+        await e.set_version(1)
+    await asyncio.sleep(0.02)
+    await asyncio.gather(*(e.resume() for e in raw.values()))
+    out = await asyncio.wait_for(task, 10)
+
+    assert out.stop_reason == "length"
+    assert len(out.token_ids) == 30, "the merged answer uses exactly the original budget"
+    assert out.num_aborts == 1
+    k = out.versions.index(1)
+    assert 0 < k < 30
+    assert out.versions == [0] * k + [1] * (30 - k)
+    assert out.log_probs == [-2.0] * k + [-3.0] * (30 - k)
+    # tokens: +1 steps under version 0, then +2 steps continuing from the last token
+    expect, last = [], 11
+    for i in range(30):
+        last = (last + (1 if i < k else 2)) % 100
+        if last == 0:
+            last = 1
+        expect.append(last)
+    assert out.token_ids == expect
+
+    # the resume went to the same replica with prompt + tokens so far and a shrunk budget
+    calls = [c for e in raw.values() for c in e.calls]
+    assert len(calls) == 2
+    (rid1, p1, b1), (rid2, p2, b2) = sorted(calls, key=lambda c: len(c[1]))
+    assert rid1 == rid2 == "traj-1"
+    assert p1 == [10, 11] and p2 == [10, 11] + expect[:k]
+    assert (b1, b2) == (30, 30 - k)
+    assert sum(1 for e in raw.values() if e.calls) == 1, "sticky: both pieces on one replica"
+    await client.drain()
+    assert all(v == 0 for v in router.in_flight.values()), "released in finally"
+
+
+async def test_without_partial_rollout_abort_is_returned():
+    client, raw, _ = _client(n=1, partial=False)
+    task = asyncio.ensure_future(client.generate("t", [3], SamplingParams(max_tokens=50)))
+    await asyncio.sleep(0.03)
+    await raw["r0"].pause(abort=True)
+    out = await task
+    await raw["r0"].resume()
+    assert out.stop_reason == "aborted"
+    assert 0 < len(out.token_ids) < 50
+    assert out.num_aborts == 0
+
+
+async def test_stop_token_ends_generation():
+    client, _, _ = _client(n=1, delay=0.0, stop_after=3)
+    out = await client.generate("t", [5], SamplingParams(max_tokens=10))
+    assert out.stop_reason == "stop" and len(out.token_ids) == 3 and out.token_ids[-1] == 0
+
+
+async def test_bad_input_is_a_clear_error_and_releases_nothing():
+    client, raw, router = _client(n=1)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        await client.generate("t", [], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="max_tokens"):
+        await client.generate("t", [1], SamplingParams(max_tokens=0))
+    assert router.decisions == 0
+
+
+async def test_dead_replica_fails_over():
+    client, raw, router = _client(n=2, delay=0.0)
+
+    async def dead(*a, **k):
+        raise ConnectionError("replica died")
+
+    raw["r0"].generate = dead  # type: ignore[method-assign]
+    outs = [await client.generate(f"t{i}", [1], SamplingParams(max_tokens=2)) for i in range(4)]
+    assert all(len(o.token_ids) == 2 for o in outs)
+    assert "r0" in router.failed
+    assert client.num_failovers == 1
+
+
+async def test_all_replicas_dead_raises():
+    client, raw, router = _client(n=1, delay=0.0)
+
+    async def dead(*a, **k):
+        raise ConnectionError("replica died")
+
+    raw["r0"].generate = dead  # type: ignore[method-assign]
+    with pytest.raises((ReplicaFailedError, RuntimeError)):
+        await client.generate("t", [1], SamplingParams(max_tokens=2))

@@ -1,0 +1,105 @@
+"""Config: YAML + dotted overrides, plugin sections by type, errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ferryman.config import ConfigError, RunConfig, apply_overrides, load_config
+
+from conftest import BASE
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_dotted_overrides_parse_values():
+    data = apply_overrides({}, ["async_training.staleness_threshold=0.5", "rollout.n=8", "async_training.partial_rollout=true", "run_dir=runs/x"])
+    assert data == {"async_training": {"staleness_threshold": 0.5, "partial_rollout": True}, "rollout": {"n": 8}, "run_dir": "runs/x"}
+
+
+def test_override_without_equals_is_refused():
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        apply_overrides({}, ["rollout.n"])
+
+
+def test_override_into_scalar_is_refused():
+    with pytest.raises(ConfigError, match="seed is not a section"):
+        apply_overrides({"seed": 1}, ["seed.x=2"])
+
+
+def test_yaml_and_overrides(tmp_path, host):
+    p = tmp_path / "c.yaml"
+    p.write_text("seed: 3\nasync_training:\n  trigger_parameter_sync_step: 2\nqueue: {type: local}\n")
+    cfg, plugins = load_config(p, BASE + ["async_training.staleness_threshold=0.25"], host)
+    assert cfg.seed == 3
+    assert cfg.async_training.trigger_parameter_sync_step == 2
+    assert cfg.async_training.staleness_threshold == 0.25
+    assert cfg.async_training.mode == "c"
+    assert plugins["queue"].type == "local"
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["async_training.staleness_threshold=-1"], "async_training.staleness_threshold"),
+        (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator: Input should be 'grpo' or 'gae' (allowed: 'grpo' or 'gae')"),
+        (["rollout.nn=3"], "rollout.nn: unknown field"),
+        (["training.total_steps=zero"], "training.total_steps"),
+        (["async_training.partial_rollout=true"], "partial_rollout=True with staleness_threshold=0 is meaningless"),
+        (["queue.type=redis"], "queue.type: unknown queue 'redis' (allowed: local, ray)"),
+        (["env.num_tasks=0"], "env.num_tasks"),
+        (["env.digits=abc"], "env.digits"),
+        (["router.sticky_capacity=big"], "router.sticky_capacity"),
+        (["trackers=[{type: nope}]"], "trackers.0.type: unknown tracker 'nope'"),
+    ],
+)
+def test_bad_config_names_the_field(host, overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, BASE + overrides, host)
+    assert needle in str(e.value)
+
+
+def test_missing_plugin_type_lists_allowed(host):
+    with pytest.raises(ConfigError, match=r"weight_sync.type: missing \(allowed: object_store\)"):
+        load_config(None, BASE + ["weight_sync={verify: true}"], host)
+
+
+def test_unknown_engine_lists_installed(host):
+    with pytest.raises(ConfigError, match=r"engine.type: unknown engine 'vllm' \(allowed: echo\)"):
+        load_config(None, ["engine={type: vllm}", "trainer={type: echo}"], host)
+
+
+def test_missing_file_and_bad_yaml(tmp_path, host):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml", [], host)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, [], host)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(lst, [], host)
+
+
+@pytest.mark.parametrize(
+    "knobs,mode",
+    [
+        ({"trigger_parameter_sync_step": 1, "staleness_threshold": 0}, "a"),
+        ({"trigger_parameter_sync_step": 4, "staleness_threshold": 0}, "b"),
+        ({"trigger_parameter_sync_step": 2, "staleness_threshold": 0.5}, "c"),
+        ({"trigger_parameter_sync_step": 1, "staleness_threshold": 1.0, "partial_rollout": True}, "d"),
+    ],
+)
+def test_three_knobs_give_four_modes(knobs, mode):
+    assert RunConfig.model_validate({"async_training": knobs}).async_training.mode == mode
+
+
+def test_every_example_config_parses():
+    examples = sorted((ROOT / "examples").glob("*.yaml"))
+    if not examples:
+        pytest.skip("examples are not shipped with this install")
+    for path in examples:
+        cfg, _ = load_config(path, [], None)
+        assert cfg.training.total_steps >= 1, path

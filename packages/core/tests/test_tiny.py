@@ -1,0 +1,253 @@
+"""ferryman.tiny: the locally built tiny Qwen2 model, its tokenizer and chat template."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from ferryman.tiny import (  # noqa: E402
+    MARKER_FILE,
+    SPECIAL_TOKENS,
+    TAG_TOKENS,
+    build_tiny_model,
+    min_vocab_size,
+    tiny_corpus,
+)
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a careful calculator."},
+    {"role": "user", "content": "What is 3 plus 4?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"a": 3, "b": 4}}}],
+    },
+    {"role": "tool", "content": "7"},
+    {
+        "role": "assistant",
+        "content": "Let me check twice.",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": '{"a": 4, "b": 3}'}},
+            {"name": "calculator", "arguments": {"a": 3, "b": 4}},
+        ],
+    },
+    {"role": "tool", "content": "7"},
+    {"role": "tool", "content": '{"result": 7}'},
+    {"role": "assistant", "content": "The answer is 7."},
+    {"role": "user", "content": "Repeat the digit 5."},
+    {"role": "assistant", "content": "5"},
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tok(tiny_dir):
+    return transformers.AutoTokenizer.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def model(tiny_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+
+
+def render(tok, messages, tools=None, gen=False) -> str:
+    return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
+
+
+def test_loads_back(tiny_dir, tok, model):
+    cfg = model.config
+    assert cfg.model_type == "qwen2"
+    assert cfg.vocab_size == len(tok) == 160
+    assert cfg.hidden_size == 64 and cfg.num_hidden_layers == 2
+    assert cfg.num_attention_heads == 4 and cfg.num_key_value_heads == 2
+    assert cfg.max_position_embeddings == 512
+    assert cfg.tie_word_embeddings
+    assert model.dtype == torch.float32
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert cfg.eos_token_id == tok.eos_token_id == model.generation_config.eos_token_id
+    assert cfg.pad_token_id == tok.pad_token_id == model.generation_config.pad_token_id
+    assert tok.chat_template
+    assert (tiny_dir / "generation_config.json").is_file()
+    info = json.loads((tiny_dir / MARKER_FILE).read_text())
+    assert info["args"]["vocab_size"] == 160 and info["args"]["seed"] == 0
+
+
+def test_digits_are_single_tokens(tok):
+    digit_ids = []
+    for d in "0123456789":
+        ids = tok.encode(d, add_special_tokens=False)
+        assert len(ids) == 1, (d, ids)
+        digit_ids.append(ids[0])
+    assert len(set(digit_ids)) == 10
+    # inside text, numbers split digit by digit and reuse the same ids
+    ids = tok.encode("Repeat the digit 7. What is 123 plus 45?", add_special_tokens=False)
+    for d in "712345":
+        assert digit_ids[int(d)] in ids
+    assert tok.encode("2024", add_special_tokens=False) == [digit_ids[i] for i in (2, 0, 2, 4)]
+    assert tok.decode(tok.encode("What is 3 plus 4?", add_special_tokens=False)) == "What is 3 plus 4?"
+
+
+def test_special_and_tag_tokens(tok):
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.convert_tokens_to_ids(t) == i
+    for t in TAG_TOKENS:
+        ids = tok.encode(t, add_special_tokens=False)
+        assert len(ids) == 1 and ids[0] >= 160 - len(TAG_TOKENS)
+    text = '<tool_call>\n{"name": "calculator", "arguments": {"a": 1}}\n</tool_call><|im_end|>'
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids[-1] == tok.eos_token_id
+    # the tags survive skip_special_tokens (as in Qwen2.5), the ChatML specials do not
+    assert tok.decode(ids, skip_special_tokens=True) == text.removesuffix("<|im_end|>")
+    assert tok.decode(ids) == text
+
+
+def test_corpus_contents():
+    corpus = tiny_corpus(["a very particular extra line"])
+    text = "\n".join(corpus)
+    for phrase in ("Repeat the digit 7.", "What is 3 plus 4?", "The answer is", '"name": "calculator"'):
+        assert phrase in text
+    assert corpus[-1] == "a very particular extra line"
+    assert tiny_corpus() == tiny_corpus()
+
+
+def test_template_plain_chat(tok):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say 3."}]
+    assert render(tok, msgs, gen=True) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay 3.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert render(tok, msgs[1:]) == "<|im_start|>user\nSay 3.<|im_end|>\n"
+
+
+def test_template_tools_calls_and_responses(tok):
+    text = render(tok, CONVERSATION[:8], tools=TOOLS)
+    # the tools block is the system turn, with the given system prompt first
+    assert text.startswith("<|im_start|>system\nYou are a careful calculator.\n\n# Tools\n")
+    assert "<tools>\n" + json.dumps(TOOLS[0]) + "\n</tools>" in text
+    assert "To call one, answer with:\n<tool_call>\n" in text
+    assert text.count("<|im_start|>system") == 1
+    # first assistant turn: no content, one call (dict arguments rendered as JSON)
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"a": 3, "b": 4}}\n'
+        "</tool_call><|im_end|>\n" in text
+    )
+    # second: content, then two calls on their own lines (string arguments kept verbatim)
+    assert (
+        "<|im_start|>assistant\nLet me check twice.\n"
+        '<tool_call>\n{"name": "calculator", "arguments": {"a": 4, "b": 3}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "calculator", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>\n' in text
+    )
+    # a single tool response, and two consecutive ones sharing one user turn
+    assert "<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n" in text
+    assert (
+        "<|im_start|>user\n<tool_response>\n7\n</tool_response>\n"
+        '<tool_response>\n{"result": 7}\n</tool_response><|im_end|>\n<|im_start|>assistant\nThe answer is 7.' in text
+    )
+    # default system prompt when tools come without a system message
+    assert render(tok, CONVERSATION[1:2], tools=TOOLS).startswith(
+        "<|im_start|>system\nYou are a helpful assistant.\n\n# Tools"
+    )
+    # the rendered text tokenizes with the tags and specials as single tokens
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids.count(tok.convert_tokens_to_ids("<tool_call>")) == 4  # 3 calls + the instructions
+    assert len(ids) < 512
+    assert ids.count(tok.convert_tokens_to_ids("<tool_response>")) == 3
+
+
+def test_template_generation_prompt_after_tools(tok):
+    text = render(tok, CONVERSATION[:7], tools=TOOLS, gen=True)
+    assert text.endswith('{"result": 7}\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_template_prefix_property(tok, tools):
+    rendered = [render(tok, CONVERSATION[:k], tools=tools) for k in range(1, len(CONVERSATION) + 1)]
+    for k in range(len(rendered) - 1):
+        assert rendered[k + 1].startswith(rendered[k]), f"messages[:{k + 1}] is not a prefix of messages[:{k + 2}]"
+    # the generation prompt is a prefix of the rendering that includes the assistant reply
+    for k, msg in enumerate(CONVERSATION):
+        if msg["role"] == "assistant" and k > 0:
+            prompt = render(tok, CONVERSATION[:k], tools=tools, gen=True)
+            assert rendered[k].startswith(prompt), f"generation prompt before message {k}"
+    # and it holds at the token level too (the agent loop appends token deltas)
+    ids = [tok.encode(r, add_special_tokens=False) for r in rendered]
+    for k in range(len(ids) - 1):
+        assert ids[k + 1][: len(ids[k])] == ids[k]
+
+
+def test_generation(tok, model):
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Repeat the digit 7."}], add_generation_prompt=True, tokenize=False
+    )
+    enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=6, do_sample=False)
+        logits = model(**enc).logits
+    assert out.shape == (1, enc["input_ids"].shape[1] + 6) or out[0, -1] == tok.eos_token_id
+    assert logits.shape == (1, enc["input_ids"].shape[1], 160)
+    assert torch.isfinite(logits).all()
+    # the first generated token is the argmax of the last position
+    assert out[0, enc["input_ids"].shape[1]].item() == logits[0, -1].argmax().item()
+    assert isinstance(tok.decode(out[0]), str)
+
+
+def test_idempotent_deterministic_and_rebuilt(tiny_dir, tmp_path):
+    marker = tiny_dir / MARKER_FILE
+    weights = tiny_dir / "model.safetensors"
+    before = (marker.stat().st_mtime_ns, weights.stat().st_mtime_ns)
+    assert build_tiny_model(tiny_dir) == tiny_dir
+    assert (marker.stat().st_mtime_ns, weights.stat().st_mtime_ns) == before
+
+    same = build_tiny_model(tmp_path / "same")
+    for name in ("model.safetensors", "tokenizer.json", "config.json", "chat_template.jinja"):
+        assert (same / name).read_bytes() == (tiny_dir / name).read_bytes(), name
+    other = build_tiny_model(tmp_path / "other", seed=1)
+    assert (other / "model.safetensors").read_bytes() != weights.read_bytes()
+    assert (other / "tokenizer.json").read_bytes() == (tiny_dir / "tokenizer.json").read_bytes()
+
+    # other arguments in the same directory: rebuilt in place
+    rebuilt = build_tiny_model(tmp_path / "same", hidden_size=32, num_layers=1, extra_corpus=["zebra zebra zebra"])
+    cfg = transformers.AutoConfig.from_pretrained(rebuilt)
+    assert (cfg.hidden_size, cfg.num_hidden_layers) == (32, 1)
+    assert json.loads((rebuilt / MARKER_FILE).read_text())["args"]["hidden_size"] == 32
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftovers
+
+
+def test_refuses_foreign_directory_and_bad_args(tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError):
+        build_tiny_model(foreign)
+    assert (foreign / "notes.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_tiny_model(tmp_path / "small", vocab_size=min_vocab_size() - 1)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        build_tiny_model(tmp_path / "heads", num_heads=4, num_kv_heads=3)
+    # an existing empty directory is fine
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (build_tiny_model(empty, hidden_size=32, num_layers=1) / "config.json").is_file()

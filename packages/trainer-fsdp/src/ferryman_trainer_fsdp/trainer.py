@@ -1,0 +1,692 @@
+"""The FSDP2 trainer backend: actor, optional critic and frozen reference, sharded with
+``torch.distributed.fsdp.fully_shard``.
+
+Execution model
+---------------
+The backend is SPMD: every rank of the process group constructs one backend and every rank
+calls the same methods with the *same* :class:`~ferryman.batch.TrainBatch`. Internally the rows
+are split across ranks (data parallel, rank ``r`` takes rows ``r, r + world, …``), the results
+of the no-grad passes are summed back so that every rank returns the full ``[B, T]`` tensor, and
+the number of micro-batches is equalised across ranks (a rank with fewer runs zero-weight dummy
+micro-batches) so that FSDP's collectives always line up. With one process (the default on CPU)
+all of this reduces to plain single-process training.
+
+Token alignment follows :mod:`ferryman.batch`: position ``t`` of a log-prob describes token
+``t`` given tokens ``< t``, so the model's output at ``t - 1`` scores token ``t`` and position 0
+is 0. Values use the same alignment: ``values[t]`` is the critic's estimate computed from the
+hidden state at ``t - 1``, i.e. the value of the state in which token ``t`` is chosen. Padding
+positions of every returned ``[B, T]`` tensor are 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from pydantic import Field, field_validator
+
+from ferryman.algorithms import (
+    agg_loss,
+    entropy_from_logits,
+    kl_penalty,
+    log_probs_from_logits,
+    ppo_policy_loss,
+    value_loss,
+)
+from ferryman.batch import TrainBatch
+from ferryman.config import AlgorithmConfig, PluginConfig
+from ferryman.protocols import NamedTensors
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FSDPTrainerConfig", "FSDPTrainerBackend", "make_fsdp_trainer"]
+
+
+class FSDPTrainerConfig(PluginConfig):
+    """Configuration of the ``fsdp`` trainer backend (``trainer:`` section of a run config)."""
+
+    type: Literal["fsdp"] = "fsdp"
+    lr: float = Field(1e-5, ge=0)
+    """Actor learning rate (AdamW)."""
+    critic_lr: float = Field(1e-5, ge=0)
+    """Critic learning rate (AdamW); used only with ``use_critic``."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay (actor and critic)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW ``(beta1, beta2)``."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Maximum global gradient norm; 0 disables clipping (the norm is still reported)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each batch in ``update_actor`` / ``update_critic``."""
+    micro_batch_max_tokens: int = Field(4096, ge=1)
+    """Token budget of one micro-batch (dynamic batching): rows are sorted by length and packed
+    so that ``rows × longest row`` (padded tokens) stays at or below this; a single longer row
+    forms a micro-batch alone. Gradients are accumulated over micro-batches and weighted so the
+    step equals the one of the whole mini-batch."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of parameters in forward/backward (FSDP2 MixedPrecisionPolicy). Master
+    weights and optimizer states stay float32."""
+    reduce_dtype: Literal["float32"] = "float32"
+    """Dtype of gradient reduction across ranks."""
+    activation_checkpointing: bool = False
+    """Recompute decoder-layer activations in backward (transformers gradient checkpointing,
+    non-reentrant) to save memory."""
+    offload_optimizer: bool = False
+    """Keep parameters, gradients and optimizer states on the CPU (FSDP2 ``CPUOffloadPolicy``)
+    when training on a GPU. A no-op when ``device`` is ``cpu`` (everything is on the CPU
+    already)."""
+    use_critic: bool = False
+    """Build a value model (same backbone + scalar head). Needed by PPO with GAE advantages."""
+    critic_warmup: int = Field(0, ge=0)
+    """With a critic: ``update_actor`` does nothing (returns ``actor/warmup_skip = 1``) until
+    ``update_critic`` has been called this many times."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda`` (each rank uses ``cuda:LOCAL_RANK``)."""
+    backend: str = "gloo"
+    """torch.distributed backend used when the backend creates the process group itself
+    (``gloo`` for CPU, ``nccl`` for GPUs)."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warmup over this many optimizer steps (``LambdaLR``); 0 = constant."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each AdamW beta must be in [0, 1), got {v}")
+        return v
+
+
+# ----------------------------------------------------------------------------- process group
+
+_OWN_GROUP_USERS = 0
+"""Backends alive in this process that share a process group one of them created."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _acquire_process_group(backend: str) -> bool:
+    """Make sure the default process group exists. Returns True if this backend shares a group
+    that ferryman created (and must release it in ``close``)."""
+    global _OWN_GROUP_USERS
+    if dist.is_initialized():
+        if _OWN_GROUP_USERS > 0:
+            _OWN_GROUP_USERS += 1
+            return True
+        return False
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        # launched by torchrun (or similar): the env:// rendezvous gives rank and world size
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
+    else:
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            rank=0,
+            world_size=1,
+            timeout=timedelta(minutes=30),
+        )
+    _OWN_GROUP_USERS = 1
+    return True
+
+
+def _release_process_group() -> None:
+    global _OWN_GROUP_USERS
+    _OWN_GROUP_USERS -= 1
+    if _OWN_GROUP_USERS == 0 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full tensor (a collective), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _clone_tree(obj: Any) -> Any:
+    """Deep copy of nested dicts/lists whose tensors are cloned onto the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone_tree(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone_tree(v) for v in obj)
+    return obj
+
+
+def _split_groups(group_index: torch.Tensor, n: int) -> list[list[int]]:
+    """Row indices of ``n`` mini-batches; rows of one group stay together, groups keep their
+    order of first appearance and are spread as evenly as possible."""
+    order: list[int] = []
+    rows_of: dict[int, list[int]] = {}
+    for row, g in enumerate(group_index.tolist()):
+        if g not in rows_of:
+            rows_of[g] = []
+            order.append(g)
+        rows_of[g].append(row)
+    n = max(1, min(int(n), len(order)))
+    base, extra = divmod(len(order), n)
+    out: list[list[int]] = []
+    start = 0
+    for i in range(n):
+        size = base + (1 if i < extra else 0)
+        out.append([r for g in order[start : start + size] for r in rows_of[g]])
+        start += size
+    return [rows for rows in out if rows]
+
+
+def _shift_right(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``[b, t-1]`` results for tokens ``1..t-1`` → ``[b, width]`` with zeros at position 0 and
+    beyond the sub-batch's own width."""
+    return F.pad(x, (1, width - 1 - x.shape[1]))
+
+
+class _MicroBatch:
+    __slots__ = ("rows", "batch", "real")
+
+    def __init__(self, rows: list[int], batch: TrainBatch, real: bool) -> None:
+        self.rows = rows
+        self.batch = batch
+        self.real = real
+
+
+class FSDPTrainerBackend:
+    """:class:`ferryman.protocols.TrainerBackend` on FSDP2 (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: FSDPTrainerConfig,
+        *,
+        model_path: str,
+        algorithm: AlgorithmConfig | None = None,
+        seed: int = 0,
+    ) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.config = config
+        self.algorithm = algorithm if algorithm is not None else AlgorithmConfig()
+        self.model_path = str(model_path)
+        self.seed = int(seed)
+        self._closed = False
+        self._owns_group = _acquire_process_group(config.backend)
+        try:
+            self.rank = dist.get_rank()
+            self.world_size = dist.get_world_size()
+            if config.device.startswith("cuda"):
+                local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+                self.device = torch.device("cuda", local_rank)
+                torch.cuda.set_device(self.device)
+                mesh_type = "cuda"
+            else:
+                self.device = torch.device(config.device)
+                mesh_type = self.device.type
+            self.mesh = init_device_mesh(mesh_type, (self.world_size,))
+            torch.manual_seed(self.seed)
+
+            self.has_critic: bool = bool(config.use_critic)
+            self.has_reference: bool = self.algorithm.kl_coef > 0
+
+            self.actor = self._load_causal_lm(trainable=True)
+            self.actor_optim = self._make_optimizer(self.actor, config.lr)
+            self.actor_sched = self._make_scheduler(self.actor_optim)
+            self.ref = self._load_causal_lm(trainable=False) if self.has_reference else None
+            self.critic = None
+            self.critic_optim = None
+            self.critic_sched = None
+            if self.has_critic:
+                self.critic = self._load_critic()
+                self.critic_optim = self._make_optimizer(self.critic, config.critic_lr)
+                self.critic_sched = self._make_scheduler(self.critic_optim)
+            self.counters: dict[str, int] = {
+                "actor_updates": 0,
+                "actor_steps": 0,
+                "critic_updates": 0,
+                "critic_steps": 0,
+            }
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ construction
+    def _mp_policy(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+        return MixedPrecisionPolicy(
+            param_dtype=dtypes[self.config.param_dtype],
+            reduce_dtype=dtypes[self.config.reduce_dtype],
+        )
+
+    def _shard(self, model: torch.nn.Module, layers: Any, trainable: bool) -> torch.nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        kwargs: dict[str, Any] = {"mesh": self.mesh, "mp_policy": self._mp_policy()}
+        if trainable and self.config.offload_optimizer and self.device.type == "cuda":
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        if not (trainable and self.config.offload_optimizer and self.device.type == "cuda"):
+            model.to(self.device)
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def _load_causal_lm(self, trainable: bool) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model.config.use_cache = False
+        if trainable and self.config.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not trainable:
+            model.requires_grad_(False)
+        model.eval()
+        return self._shard(model, self._decoder_layers(model), trainable)
+
+    def _load_critic(self) -> torch.nn.Module:
+        from transformers import AutoModelForTokenClassification
+
+        # dropout 0: the value head must be deterministic (transformers defaults it to 0.1)
+        model = AutoModelForTokenClassification.from_pretrained(
+            self.model_path, num_labels=1, classifier_dropout=0.0, dtype=torch.float32
+        )
+        model.config.use_cache = False
+        if self.config.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.eval()
+        return self._shard(model, self._decoder_layers(model), True)
+
+    @staticmethod
+    def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+        base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+        layers = getattr(base, "layers", None)
+        if layers is None:
+            raise TypeError(
+                f"FSDPTrainerBackend: cannot find the decoder layers of {type(model).__name__} "
+                "(expected <model>.<base_model_prefix>.layers)"
+            )
+        return list(layers)
+
+    def _make_optimizer(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=lr,
+            betas=tuple(self.config.betas),
+            weight_decay=self.config.weight_decay,
+        )
+
+    def _make_scheduler(self, optim: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        warmup = self.config.lr_warmup_steps
+
+        def factor(step: int) -> float:
+            return 1.0 if warmup <= 0 else min(1.0, (step + 1) / warmup)
+
+        return torch.optim.lr_scheduler.LambdaLR(optim, factor)
+
+    # ------------------------------------------------------------------ data parallel plumbing
+    def _all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
+        if self.world_size == 1:
+            return t
+        op = dist.ReduceOp.SUM if op is None else op
+        moved = t.to(self.device)
+        dist.all_reduce(moved, op=op)
+        return moved.to(t.device)
+
+    def _local_micro_batches(self, batch: TrainBatch, rows: list[int] | None = None) -> list[_MicroBatch]:
+        """This rank's share of ``rows`` (default: all rows) cut into token-budget micro-batches,
+        padded with dummy micro-batches to the largest count of any rank."""
+        rows = list(range(batch.batch_size)) if rows is None else rows
+        mine = rows[self.rank :: self.world_size]
+        out: list[_MicroBatch] = []
+        if mine:
+            local = batch.select(mine)
+            for idx, sub in local.micro_batches(max_tokens=self.config.micro_batch_max_tokens):
+                out.append(_MicroBatch([mine[i] for i in idx], sub, True))
+        if self.world_size > 1:
+            count = self._all_reduce(torch.tensor([len(out)], dtype=torch.long), dist.ReduceOp.MAX)
+            dummy = batch.select(rows[:1])
+            while len(out) < int(count.item()):
+                out.append(_MicroBatch([], dummy, False))
+        return out
+
+    def _inputs(self, sub: TrainBatch) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": sub.input_ids.to(self.device),
+            "attention_mask": sub.attention_mask.to(self.device),
+            "position_ids": sub.position_ids.to(self.device),
+        }
+
+    def _logits(self, model: torch.nn.Module, sub: TrainBatch) -> torch.Tensor:
+        logits = model(**self._inputs(sub), use_cache=False).logits
+        temperature = float(sub.meta.get("temperature", 1.0) or 1.0)
+        if temperature != 1.0:
+            logits = logits / temperature
+        return logits
+
+    def _token_log_probs(self, logits: torch.Tensor, sub: TrainBatch) -> torch.Tensor:
+        ids = sub.input_ids.to(logits.device)
+        lp = log_probs_from_logits(logits[:, :-1], ids[:, 1:])
+        lp = _shift_right(lp, sub.seq_len)
+        return lp * sub.attention_mask.to(lp.device, lp.dtype)
+
+    def _token_values(self, model: torch.nn.Module, sub: TrainBatch) -> torch.Tensor:
+        v = model(**self._inputs(sub), use_cache=False).logits[..., 0].float()
+        v = _shift_right(v[:, :-1], sub.seq_len)
+        return v * sub.attention_mask.to(v.device, v.dtype)
+
+    @torch.no_grad()
+    def _gather_per_token(
+        self, batch: TrainBatch, fn: Callable[[TrainBatch], torch.Tensor]
+    ) -> torch.Tensor:
+        out = torch.zeros(batch.batch_size, batch.seq_len, dtype=torch.float32)
+        for mb in self._local_micro_batches(batch):
+            res = fn(mb.batch).float().cpu()
+            if mb.real:
+                out[mb.rows, : res.shape[1]] = res
+        return self._all_reduce(out)
+
+    # ------------------------------------------------------------------ no-grad passes
+    def compute_log_probs(self, batch: TrainBatch) -> torch.Tensor:
+        self.actor.eval()
+        return self._gather_per_token(batch, lambda sub: self._token_log_probs(self._logits(self.actor, sub), sub))
+
+    def compute_ref_log_probs(self, batch: TrainBatch) -> torch.Tensor:
+        if self.ref is None:
+            raise RuntimeError(
+                "FSDPTrainerBackend: no reference model (it is built only when algorithm.kl_coef > 0)"
+            )
+        return self._gather_per_token(batch, lambda sub: self._token_log_probs(self._logits(self.ref, sub), sub))
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        if self.critic is None:
+            raise RuntimeError("FSDPTrainerBackend: no critic (set trainer.use_critic: true)")
+        self.critic.eval()
+        return self._gather_per_token(batch, lambda sub: self._token_values(self.critic, sub))
+
+    # ------------------------------------------------------------------ updates
+    def _micro_weights(self, mbs: list[_MicroBatch]) -> list[float]:
+        """Gradient-accumulation weight of each local micro-batch: its share of the mini-batch's
+        aggregation units (masked tokens for token-mean, rows with a masked token for the
+        seq-mean modes), times the world size because FSDP averages gradients over ranks."""
+        token_mode = self.algorithm.loss_agg_mode == "token-mean"
+
+        def units(sub: TrainBatch) -> float:
+            if token_mode:
+                return float(sub.loss_mask.sum().item())
+            return float((sub.loss_mask.sum(-1) > 0).sum().item())
+
+        local = [units(mb.batch) if mb.real else 0.0 for mb in mbs]
+        total = float(self._all_reduce(torch.tensor([sum(local)], dtype=torch.float64)).item())
+        if total <= 0:
+            return [0.0 for _ in local]
+        return [u / total * self.world_size for u in local]
+
+    def _optimizer_step(
+        self, model: torch.nn.Module, optim: torch.optim.Optimizer, sched: Any
+    ) -> float:
+        params = [p for p in model.parameters() if p.requires_grad]
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm_value = float(_full(norm).item())
+        if math.isfinite(norm_value):
+            optim.step()
+            sched.step()
+        else:
+            log.warning("FSDPTrainerBackend: non-finite gradient norm %s, step skipped", norm_value)
+        optim.zero_grad(set_to_none=True)
+        return norm_value
+
+    def _reduce_metrics(self, sums: dict[str, float], counts: dict[str, float]) -> dict[str, float]:
+        keys = sorted(sums)
+        if not keys:
+            return {}
+        vals = torch.tensor([sums[k] for k in keys] + [counts[k] for k in keys], dtype=torch.float64)
+        vals = self._all_reduce(vals)
+        n = len(keys)
+        return {k: float(vals[i] / vals[n + i]) if vals[n + i] > 0 else 0.0 for i, k in enumerate(keys)}
+
+    def update_actor(self, batch: TrainBatch) -> dict[str, float]:
+        if batch.old_log_probs is None or batch.advantages is None:
+            raise ValueError("update_actor: the batch needs old_log_probs and advantages")
+        if self.has_critic and self.counters["critic_updates"] < self.config.critic_warmup:
+            self.counters["actor_updates"] += 1
+            return {"actor/warmup_skip": 1.0}
+        alg = self.algorithm
+        use_kl = alg.kl_coef > 0
+        if use_kl and batch.ref_log_probs is None:
+            batch = replace(batch, ref_log_probs=self.compute_ref_log_probs(batch))
+        mini_batches = _split_groups(batch.group_index, int(batch.meta.get("num_mini_batches", 1)))
+
+        sums: dict[str, float] = {}
+        counts: dict[str, float] = {}
+
+        def add(key: str, value: float, weight: float) -> None:
+            sums[key] = sums.get(key, 0.0) + value * weight
+            counts[key] = counts.get(key, 0.0) + weight
+
+        self.actor.train()
+        for _ in range(self.config.ppo_epochs):
+            for rows in mini_batches:
+                mbs = self._local_micro_batches(batch, rows)
+                weights = self._micro_weights(mbs)
+                for mb, w in zip(mbs, weights, strict=True):
+                    sub = mb.batch
+                    logits = self._logits(self.actor, sub)
+                    lp = self._token_log_probs(logits, sub)
+                    dev = lp.device
+                    mask = sub.loss_mask.to(dev, torch.float32)
+                    pg_loss, pg_m = ppo_policy_loss(
+                        lp,
+                        sub.old_log_probs.to(dev, torch.float32),
+                        sub.advantages.to(dev, torch.float32),
+                        mask,
+                        clip_low=alg.clip_ratio_low,
+                        clip_high=alg.clip_ratio_high,
+                        clip_c=alg.clip_ratio_c,
+                        agg=alg.loss_agg_mode,
+                        is_weights=None if sub.is_weights is None else sub.is_weights.to(dev, torch.float32),
+                    )
+                    loss = pg_loss
+                    grad_ctx = nullcontext() if alg.entropy_coeff != 0 else torch.no_grad()
+                    with grad_ctx:
+                        ent = _shift_right(entropy_from_logits(logits[:, :-1]), sub.seq_len)
+                        ent_loss = agg_loss(ent, mask, alg.loss_agg_mode)
+                    if alg.entropy_coeff != 0:
+                        loss = loss - alg.entropy_coeff * ent_loss
+                    kl_value = 0.0
+                    if use_kl:
+                        kl = kl_penalty(lp, sub.ref_log_probs.to(dev, torch.float32), alg.kl_type)
+                        kl_loss = agg_loss(kl, mask, alg.loss_agg_mode)
+                        loss = loss + alg.kl_coef * kl_loss
+                        kl_value = float(kl_loss.detach().item())
+                    (loss * w).backward()
+                    share = w / self.world_size
+                    if mb.real:
+                        add("actor/pg_loss", float(pg_loss.detach().item()), share)
+                        add("actor/kl_loss", kl_value, share)
+                        add("actor/entropy", float(ent_loss.detach().item()), share)
+                        add("actor/pg_clipfrac", pg_m["pg_clipfrac"], share)
+                        add("actor/ppo_kl", pg_m["ppo_kl"], share)
+                lr = float(self.actor_optim.param_groups[0]["lr"])
+                norm = self._optimizer_step(self.actor, self.actor_optim, self.actor_sched)
+                self.counters["actor_steps"] += 1
+                # once per step on every rank: divide the all-reduced sum back by the world size
+                add("actor/grad_norm", norm / self.world_size, 1.0 / self.world_size)
+                add("actor/lr", lr / self.world_size, 1.0 / self.world_size)
+        self.actor.eval()
+        self.counters["actor_updates"] += 1
+        return self._reduce_metrics(sums, counts)
+
+    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
+        if self.critic is None:
+            raise RuntimeError("FSDPTrainerBackend: no critic (set trainer.use_critic: true)")
+        if batch.values is None or batch.returns is None:
+            raise ValueError("update_critic: the batch needs values (old values) and returns")
+        alg = self.algorithm
+        mini_batches = _split_groups(batch.group_index, int(batch.meta.get("num_mini_batches", 1)))
+        sums: dict[str, float] = {}
+        counts: dict[str, float] = {}
+
+        def add(key: str, value: float, weight: float) -> None:
+            sums[key] = sums.get(key, 0.0) + value * weight
+            counts[key] = counts.get(key, 0.0) + weight
+
+        self.critic.train()
+        for _ in range(self.config.ppo_epochs):
+            for rows in mini_batches:
+                mbs = self._local_micro_batches(batch, rows)
+                weights = self._micro_weights(mbs)
+                for mb, w in zip(mbs, weights, strict=True):
+                    sub = mb.batch
+                    values = self._token_values(self.critic, sub)
+                    dev = values.device
+                    vf_loss, vf_m = value_loss(
+                        values,
+                        sub.values.to(dev, torch.float32),
+                        sub.returns.to(dev, torch.float32),
+                        sub.loss_mask.to(dev, torch.float32),
+                        clip=alg.value_clip,
+                        agg=alg.loss_agg_mode,
+                    )
+                    (vf_loss * w).backward()
+                    share = w / self.world_size
+                    if mb.real:
+                        add("critic/vf_loss", float(vf_loss.detach().item()), share)
+                        add("critic/vf_clipfrac", vf_m["vf_clipfrac"], share)
+                lr = float(self.critic_optim.param_groups[0]["lr"])
+                norm = self._optimizer_step(self.critic, self.critic_optim, self.critic_sched)
+                self.counters["critic_steps"] += 1
+                add("critic/grad_norm", norm / self.world_size, 1.0 / self.world_size)
+                add("critic/lr", lr / self.world_size, 1.0 / self.world_size)
+        self.critic.eval()
+        self.counters["critic_updates"] += 1
+        return self._reduce_metrics(sums, counts)
+
+    # ------------------------------------------------------------------ weights
+    def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+        """Full actor tensors named as in the transformers model's ``state_dict()`` (so
+        ``load_state_dict`` / ``from_pretrained`` accept them), float32, detached, contiguous,
+        on the CPU. A tied parameter appears once, under its first name (for tied embeddings:
+        ``model.embed_tokens.weight``, no ``lm_head.weight``). Every rank must iterate (each
+        tensor is gathered with a collective); every rank yields the same buckets."""
+        if bucket_bytes <= 0:
+            raise ValueError(f"iter_weight_buckets: bucket_bytes must be > 0, got {bucket_bytes}")
+        seen: set[int] = set()
+        bucket: NamedTensors = []
+        size = 0
+        for name, t in self.actor.state_dict(keep_vars=True).items():
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            full = _full(t.detach()).to("cpu", copy=True).contiguous()
+            nbytes = full.numel() * full.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, full))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    # ------------------------------------------------------------------ checkpoints
+    def _model_optim_state(self, model: torch.nn.Module, optim: torch.optim.Optimizer, sched: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(
+            model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return {"model": _clone_tree(msd), "optim": _clone_tree(osd), "sched": sched.state_dict()}
+
+    def _load_model_optim_state(
+        self, model: torch.nn.Module, optim: torch.optim.Optimizer, sched: Any, state: dict[str, Any]
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world_size > 1)
+        set_state_dict(
+            model,
+            optim,
+            model_state_dict=_clone_tree(state["model"]),
+            optim_state_dict=_clone_tree(state["optim"]),
+            options=options,
+        )
+        sched.load_state_dict(state["sched"])
+
+    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+        """Full (unsharded) CPU state: actor model + optimizer + scheduler, the same for the
+        critic, counters and RNG states. The tensors are copies. With several ranks only rank 0
+        holds the model/optimizer tensors (the others get empty dicts); pass rank 0's state to
+        :meth:`load_checkpoint_state` on every rank. The reference model is not saved (it is the
+        initial actor, reloaded from ``model_path``)."""
+        state: dict[str, Any] = {
+            "format": 1,
+            "actor": self._model_optim_state(self.actor, self.actor_optim, self.actor_sched),
+            "critic": None,
+            "counters": dict(self.counters),
+            "rng": {"cpu": torch.get_rng_state()},
+        }
+        if self.critic is not None:
+            state["critic"] = self._model_optim_state(self.critic, self.critic_optim, self.critic_sched)
+        if self.device.type == "cuda":
+            state["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self._load_model_optim_state(self.actor, self.actor_optim, self.actor_sched, state["actor"])
+        if self.critic is not None:
+            if state.get("critic") is None:
+                raise ValueError("load_checkpoint_state: this backend has a critic but the checkpoint has none")
+            self._load_model_optim_state(self.critic, self.critic_optim, self.critic_sched, state["critic"])
+        self.counters.update({k: int(v) for k, v in state.get("counters", {}).items()})
+        rng = state.get("rng", {})
+        if "cpu" in rng:
+            torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Release the models; destroy the process group if this backend (or another backend
+        of this process sharing it) created it and this is its last user."""
+        if self._closed:
+            return
+        self._closed = True
+        for name in ("actor", "ref", "critic", "actor_optim", "critic_optim", "actor_sched", "critic_sched"):
+            if hasattr(self, name):
+                setattr(self, name, None)
+        if self._owns_group:
+            _release_process_group()
+
+
+def make_fsdp_trainer(
+    config: FSDPTrainerConfig,
+    *,
+    model_path: str,
+    algorithm: AlgorithmConfig | None = None,
+    seed: int = 0,
+    **_: Any,
+) -> FSDPTrainerBackend:
+    """Factory registered as trainer ``fsdp`` (see :mod:`ferryman.specs` for the keywords)."""
+    algorithm = algorithm if algorithm is not None else AlgorithmConfig()
+    if algorithm.adv_estimator == "gae" and not config.use_critic:
+        raise ValueError(
+            "trainer.use_critic must be true with algorithm.adv_estimator='gae' (GAE needs values)"
+        )
+    return FSDPTrainerBackend(config, model_path=model_path, algorithm=algorithm, seed=seed)
