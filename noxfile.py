@@ -25,7 +25,7 @@ PACKAGES = {
 @nox.session(python=PY)
 def core(session: nox.Session) -> None:
     """Core alone: no plugin installed, no transformers (tests that need it skip)."""
-    session.install("./packages/core", *TEST_DEPS)
+    session.install("./packages/core[testing]", *TEST_DEPS)
     session.run("ferryman", "plugins")
     session.run("pytest", "packages/core/tests", "-q", *session.posargs)
 
@@ -33,7 +33,7 @@ def core(session: nox.Session) -> None:
 def _plugin_session(name: str, path: str):
     @nox.session(name=name, python=PY)
     def _session(session: nox.Session) -> None:
-        session.install("./packages/core[tiny]", f"./{path}", *TEST_DEPS)
+        session.install("./packages/core[tiny,testing]", f"./{path}", *TEST_DEPS)
         session.run("ferryman", "plugins")
         session.run("pytest", f"{path}/tests", "-q", *session.posargs)
 
@@ -48,5 +48,5 @@ for _name, _path in PACKAGES.items():
 @nox.session(python=PY)
 def integration(session: nox.Session) -> None:
     """The cross-package tests in tests/ with the whole workspace."""
-    session.install("./packages/core[tiny,plot]", *(f"./{p}" for p in PACKAGES.values()), *TEST_DEPS)
+    session.install("./packages/core[tiny,plot,testing]", *(f"./{p}" for p in PACKAGES.values()), *TEST_DEPS)
     session.run("pytest", "tests", "-q", *session.posargs)

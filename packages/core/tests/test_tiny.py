@@ -251,3 +251,15 @@ def test_refuses_foreign_directory_and_bad_args(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert (build_tiny_model(empty, hidden_size=32, num_layers=1) / "config.json").is_file()
+
+
+def test_init_std_controls_greedy_variety(tmp_path, tok):
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Say 4."}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    varied = transformers.AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "v", init_std=0.2))
+    with torch.no_grad():
+        out = varied.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :]
+    assert len(set(out.tolist())) > 2
+    with pytest.raises(ValueError, match="init_std"):
+        build_tiny_model(tmp_path / "bad", init_std=0.0)

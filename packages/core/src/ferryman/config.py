@@ -41,7 +41,10 @@ class ModelConfig(Strict):
     locally trained tokenizer, chat template with tool calls)."""
     tiny_hidden_size: int = Field(64, gt=0)
     tiny_num_layers: int = Field(2, gt=0)
-    tiny_vocab_size: int = Field(160, ge=64)
+    tiny_vocab_size: int = Field(160, ge=107)
+    """At least 107: the printable-ASCII byte alphabet plus special and tool-call tokens."""
+    tiny_init_std: float = Field(0.02, gt=0)
+    """Standard deviation of the random initial weights."""
 
 
 class RolloutConfig(Strict):

@@ -48,6 +48,7 @@ def prepare_model(cfg: RunConfig) -> None:
             vocab_size=cfg.model.tiny_vocab_size,
             hidden_size=cfg.model.tiny_hidden_size,
             num_layers=cfg.model.tiny_num_layers,
+            init_std=cfg.model.tiny_init_std,
             seed=cfg.seed,
         )
     elif not (path / "config.json").is_file():
@@ -195,7 +196,8 @@ async def _run_inline(cfg: RunConfig, host: PluginHost, plugin_cfgs: dict[str, A
         name = f"replica-{i}"
         engine = host.create("engine", plugin_cfgs["engine"], model_path=cfg.model.path, replica=name, seed=cfg.seed + i)
         engines.append(EngineHandle(name, engine=engine))
-    await asyncio.gather(*(e.start() for e in engines))
+    for e in engines:  # one at a time: model loading in one process is not thread-safe
+        await e.start()
     rollouter = build_rollouter(cfg, host, plugin_cfgs, queue, engines)
 
     async def rollouter_stats() -> dict[str, float]:

@@ -310,6 +310,7 @@ def _write_model(out: Path, args: dict[str, Any], corpus: list[str], max_positio
         tie_word_embeddings=True,
         use_sliding_window=False,
         rms_norm_eps=1e-6,
+        initializer_range=args["init_std"],
         bos_token_id=pad_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
@@ -340,13 +341,17 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     seed: int = 0,
     extra_corpus: list[str] | None = None,
+    init_std: float = 0.02,
 ) -> Path:
     """Build (or reuse) a tiny Qwen2 model directory at ``path`` and return it.
 
     The directory gets a locally trained byte-level BPE tokenizer of at most ``vocab_size``
     tokens (specials and tool tags included; every digit is one token), the ChatML chat
     template :data:`CHAT_TEMPLATE`, and a float32 ``Qwen2ForCausalLM`` with random weights drawn
-    from ``seed`` (tied embeddings, 512 positions). The arguments are stored in
+    from ``seed`` with standard deviation ``init_std`` (tied embeddings, 512 positions). At the
+    default 0.02 the next-token distribution is close to uniform (a good start for RL) and
+    greedy decoding mostly repeats the last token; a larger ``init_std`` (e.g. 0.2) gives varied
+    greedy text, which makes exactness tests of engines more discriminating. The arguments are stored in
     ``ferryman_tiny.json``; a directory built with the same arguments is returned as is.
     A directory built with other arguments is replaced; a non-empty directory that was not
     built here raises :class:`FileExistsError`. The build is atomic (written aside, then
@@ -365,6 +370,8 @@ def build_tiny_model(
         raise ValueError(f"build_tiny_model: num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
     if num_layers < 1:
         raise ValueError("build_tiny_model: num_layers must be >= 1")
+    if not init_std > 0:
+        raise ValueError(f"build_tiny_model: init_std must be > 0, got {init_std}")
 
     target = Path(path)
     args = _build_args(
@@ -374,6 +381,7 @@ def build_tiny_model(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         seed=seed,
+        init_std=float(init_std),
         extra_corpus=extra_corpus,
     )
     if _read_marker(target) == args:

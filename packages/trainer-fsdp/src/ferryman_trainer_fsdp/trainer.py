@@ -159,6 +159,32 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant activation checkpointing of the decoder layers (transformers' API; the
+    method was renamed in transformers 5)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _reshard(model: torch.nn.Module | None) -> None:
+    """Free the unsharded parameters of every FSDP module of ``model``.
+
+    The root module keeps its parameters unsharded after a forward (it expects the backward to
+    follow); after a no-grad pass nothing reshards it, and until something does, the module's
+    registered parameters are the unsharded tensors, not the sharded ones the optimizer holds.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if model is None:
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _clone_tree(obj: Any) -> Any:
     """Deep copy of nested dicts/lists whose tensors are cloned onto the CPU."""
     if isinstance(obj, torch.Tensor):
@@ -294,22 +320,24 @@ class FSDPTrainerBackend:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         model.config.use_cache = False
         if trainable and self.config.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _enable_checkpointing(model)
         if not trainable:
             model.requires_grad_(False)
         model.eval()
         return self._shard(model, self._decoder_layers(model), trainable)
 
     def _load_critic(self) -> torch.nn.Module:
-        from transformers import AutoModelForTokenClassification
+        from transformers import AutoConfig, AutoModelForTokenClassification
 
+        cfg = AutoConfig.from_pretrained(self.model_path, num_labels=1)
         # dropout 0: the value head must be deterministic (transformers defaults it to 0.1)
+        cfg.classifier_dropout = 0.0
         model = AutoModelForTokenClassification.from_pretrained(
-            self.model_path, num_labels=1, classifier_dropout=0.0, dtype=torch.float32
+            self.model_path, config=cfg, dtype=torch.float32
         )
         model.config.use_cache = False
         if self.config.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _enable_checkpointing(model)
         model.eval()
         return self._shard(model, self._decoder_layers(model), True)
 
@@ -393,32 +421,39 @@ class FSDPTrainerBackend:
 
     @torch.no_grad()
     def _gather_per_token(
-        self, batch: TrainBatch, fn: Callable[[TrainBatch], torch.Tensor]
+        self, batch: TrainBatch, model: torch.nn.Module, fn: Callable[[TrainBatch], torch.Tensor]
     ) -> torch.Tensor:
         out = torch.zeros(batch.batch_size, batch.seq_len, dtype=torch.float32)
-        for mb in self._local_micro_batches(batch):
-            res = fn(mb.batch).float().cpu()
-            if mb.real:
-                out[mb.rows, : res.shape[1]] = res
+        try:
+            for mb in self._local_micro_batches(batch):
+                res = fn(mb.batch).float().cpu()
+                if mb.real:
+                    out[mb.rows, : res.shape[1]] = res
+        finally:
+            _reshard(model)
         return self._all_reduce(out)
 
     # ------------------------------------------------------------------ no-grad passes
     def compute_log_probs(self, batch: TrainBatch) -> torch.Tensor:
         self.actor.eval()
-        return self._gather_per_token(batch, lambda sub: self._token_log_probs(self._logits(self.actor, sub), sub))
+        return self._gather_per_token(
+            batch, self.actor, lambda sub: self._token_log_probs(self._logits(self.actor, sub), sub)
+        )
 
     def compute_ref_log_probs(self, batch: TrainBatch) -> torch.Tensor:
         if self.ref is None:
             raise RuntimeError(
                 "FSDPTrainerBackend: no reference model (it is built only when algorithm.kl_coef > 0)"
             )
-        return self._gather_per_token(batch, lambda sub: self._token_log_probs(self._logits(self.ref, sub), sub))
+        return self._gather_per_token(
+            batch, self.ref, lambda sub: self._token_log_probs(self._logits(self.ref, sub), sub)
+        )
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("FSDPTrainerBackend: no critic (set trainer.use_critic: true)")
         self.critic.eval()
-        return self._gather_per_token(batch, lambda sub: self._token_values(self.critic, sub))
+        return self._gather_per_token(batch, self.critic, lambda sub: self._token_values(self.critic, sub))
 
     # ------------------------------------------------------------------ updates
     def _micro_weights(self, mbs: list[_MicroBatch]) -> list[float]:
@@ -588,6 +623,7 @@ class FSDPTrainerBackend:
         tensor is gathered with a collective); every rank yields the same buckets."""
         if bucket_bytes <= 0:
             raise ValueError(f"iter_weight_buckets: bucket_bytes must be > 0, got {bucket_bytes}")
+        _reshard(self.actor)
         seen: set[int] = set()
         bucket: NamedTensors = []
         size = 0
@@ -609,6 +645,7 @@ class FSDPTrainerBackend:
     def _model_optim_state(self, model: torch.nn.Module, optim: torch.optim.Optimizer, sched: Any) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+        _reshard(model)
         msd, osd = get_state_dict(
             model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
@@ -619,6 +656,7 @@ class FSDPTrainerBackend:
     ) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+        _reshard(model)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world_size > 1)
         set_state_dict(
             model,

@@ -1,0 +1,307 @@
+"""FSDP trainer backend on CPU (gloo, one rank) with tiny Qwen2 models."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from ferryman.config import AlgorithmConfig
+from ferryman.testing.trainer_contract import collect_weights, fill_train_batch, random_train_batch
+from ferryman.tiny import build_tiny_model
+from ferryman_trainer_fsdp.trainer import FSDPTrainerBackend, FSDPTrainerConfig, make_fsdp_trainer
+
+VOCAB = 160
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny model of ferryman.tiny (tied embeddings)."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", vocab_size=VOCAB))
+
+
+@pytest.fixture(scope="module")
+def untied_model_dir(tmp_path_factory):
+    """A tiny Qwen2 with separate lm_head weights."""
+    torch.manual_seed(1)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    path = tmp_path_factory.mktemp("models") / "untied"
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def make_trainer(model_dir):
+    """Factory of backends; every backend is closed after the test."""
+    made: list[FSDPTrainerBackend] = []
+
+    def make(algorithm: AlgorithmConfig | None = None, path: str | None = None, seed: int = 0, **cfg):
+        backend = make_fsdp_trainer(
+            FSDPTrainerConfig(**cfg),
+            model_path=path or model_dir,
+            algorithm=algorithm or AlgorithmConfig(),
+            seed=seed,
+        )
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def hf_log_probs(model: torch.nn.Module, batch) -> torch.Tensor:
+    """Reference: log p(token_t | tokens_<t) from a plain transformers forward, [B, T]."""
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        ).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    out[:, 1:] = lp
+    return out * batch.attention_mask
+
+
+def seq_log_prob(lp: torch.Tensor, batch) -> torch.Tensor:
+    return (lp * batch.loss_mask).sum(-1)
+
+
+# ----------------------------------------------------------------------------- no-grad passes
+
+
+def test_log_probs_equal_plain_hf_forward(make_trainer, model_dir):
+    batch = random_train_batch(VOCAB, num_groups=3, group_size=2, seed=0)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = hf_log_probs(hf, batch)
+    big = make_trainer(micro_batch_max_tokens=1 << 20)
+    small = make_trainer(micro_batch_max_tokens=10)
+    torch.testing.assert_close(big.compute_log_probs(batch), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(small.compute_log_probs(batch), expected, rtol=0, atol=1e-5)
+
+
+def test_bfloat16_compute_is_close_to_float32(make_trainer):
+    batch = fill_train_batch(make_trainer(), random_train_batch(VOCAB, seed=1))
+    bf16 = make_trainer(param_dtype="bfloat16", lr=1e-3)
+    lp = bf16.compute_log_probs(batch)
+    torch.testing.assert_close(lp, batch.old_log_probs, rtol=0, atol=0.1)
+    metrics = bf16.update_actor(batch)
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+
+
+# ----------------------------------------------------------------------------- actor updates
+
+
+def test_grpo_update_moves_log_probs_with_the_advantage_sign(make_trainer):
+    trainer = make_trainer(lr=1e-3)
+    batch = random_train_batch(VOCAB, num_groups=1, group_size=2, seed=5)
+    sign = torch.tensor([1.0, -1.0])[:, None]
+    batch = replace(batch, old_log_probs=trainer.compute_log_probs(batch), advantages=sign * batch.loss_mask)
+    before = seq_log_prob(batch.old_log_probs, batch)
+    metrics = trainer.update_actor(batch)
+    after = seq_log_prob(trainer.compute_log_probs(batch), batch)
+    assert after[0] > before[0] + 1e-3, (before, after)
+    assert after[1] < before[1] - 1e-3, (before, after)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm",
+                "actor/pg_clipfrac", "actor/ppo_kl", "actor/lr"):
+        assert key in metrics
+    assert metrics["actor/lr"] == pytest.approx(1e-3)
+    assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # first step: ratio 1
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_micro_batching_does_not_change_the_update(make_trainer, agg):
+    algorithm = AlgorithmConfig(loss_agg_mode=agg, kl_coef=0.1, entropy_coeff=0.01, clip_ratio_high=0.28)
+    common = dict(lr=1e-3, ppo_epochs=2, algorithm=algorithm)
+    tiny = make_trainer(micro_batch_max_tokens=8, activation_checkpointing=True, **common)
+    huge = make_trainer(micro_batch_max_tokens=1 << 20, **common)
+    batch = fill_train_batch(huge, random_train_batch(VOCAB, num_groups=4, group_size=2, seed=3))
+    batch.meta["num_mini_batches"] = 2
+    assert len(list(batch.micro_batches(max_tokens=8))) >= batch.batch_size - 2  # mostly one row each
+    m_tiny = tiny.update_actor(batch)
+    m_huge = huge.update_actor(batch)
+    assert tiny.counters["actor_steps"] == huge.counters["actor_steps"] == 4  # 2 mini × 2 epochs
+    w_tiny, w_huge = collect_weights(tiny), collect_weights(huge)
+    for name in w_huge:
+        # Adam divides by sqrt(v): ulp-level gradient differences on near-zero entries grow to
+        # ~1e-6; 1e-5 is 1% of one step (lr 1e-3)
+        torch.testing.assert_close(w_tiny[name], w_huge[name], rtol=1e-4, atol=1e-5)
+    for key in m_huge:
+        assert m_tiny[key] == pytest.approx(m_huge[key], rel=1e-4, abs=1e-6), key
+
+
+def test_mini_batches_keep_groups_together():
+    from ferryman_trainer_fsdp.trainer import _split_groups
+
+    groups = torch.tensor([0, 0, 1, 1, 1, 2, 2, 3])
+    assert _split_groups(groups, 2) == [[0, 1, 2, 3, 4], [5, 6, 7]]
+    assert _split_groups(groups, 10) == [[0, 1], [2, 3, 4], [5, 6], [7]]
+    assert _split_groups(groups, 1) == [list(range(8))]
+
+
+def test_kl_loss_uses_the_frozen_reference(make_trainer):
+    trainer = make_trainer(lr=1e-2, algorithm=AlgorithmConfig(kl_coef=0.5, kl_type="k3"))
+    assert trainer.has_reference and not trainer.has_critic
+    batch = fill_train_batch(trainer, random_train_batch(VOCAB, seed=7))
+    first = trainer.update_actor(batch)
+    assert first["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # actor == reference
+    second = trainer.update_actor(batch)
+    assert second["actor/kl_loss"] > 0
+    # the reference stays at the initial weights
+    torch.testing.assert_close(trainer.compute_ref_log_probs(batch), batch.ref_log_probs)
+
+
+# ----------------------------------------------------------------------------- critic
+
+
+def test_critic_update_reduces_value_loss(make_trainer):
+    trainer = make_trainer(use_critic=True, critic_lr=3e-3, ppo_epochs=2)
+    batch = random_train_batch(VOCAB, num_groups=3, group_size=2, seed=11)
+    batch.returns = batch.loss_mask * (2 * batch.scores[:, None] - 1)
+    losses = []
+    for _ in range(8):
+        batch.values = trainer.compute_values(batch)
+        metrics = trainer.update_critic(batch)
+        losses.append(metrics["critic/vf_loss"])
+        assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm"} <= metrics.keys()
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_critic_warmup_skips_actor_updates(make_trainer):
+    trainer = make_trainer(use_critic=True, critic_warmup=1, lr=1e-3)
+    batch = fill_train_batch(trainer, random_train_batch(VOCAB, seed=2))
+    before = collect_weights(trainer)
+    assert trainer.update_actor(batch) == {"actor/warmup_skip": 1.0}
+    assert all(torch.equal(before[k], v) for k, v in collect_weights(trainer).items())
+    trainer.update_critic(batch)
+    assert "actor/pg_loss" in trainer.update_actor(batch)
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_buckets_match_hf_and_reproduce_logits(make_trainer, model_dir, untied_model_dir, tied):
+    path = model_dir if tied else untied_model_dir
+    trainer = make_trainer(lr=1e-2, path=path)
+    batch = fill_train_batch(trainer, random_train_batch(VOCAB, seed=6))
+    trainer.update_actor(batch)
+    trained = trainer.compute_log_probs(batch)
+    assert not torch.allclose(trained, batch.old_log_probs, atol=1e-3)
+
+    budget = 16 * 1024  # smaller than the embedding (160 × 64 × 4 bytes)
+    buckets = list(trainer.iter_weight_buckets(budget))
+    for bucket in buckets:
+        size = sum(t.numel() * t.element_size() for _, t in bucket)
+        assert size <= budget or len(bucket) == 1
+    assert any(len(b) > 1 for b in buckets)
+    assert any(len(b) == 1 and b[0][0] == "model.embed_tokens.weight" for b in buckets)
+    weights = dict(kv for b in buckets for kv in b)
+
+    fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf_sd = fresh.state_dict()
+    expected_names = [n for n in hf_sd if not (tied and n == "lm_head.weight")]
+    assert [n for b in buckets for n, _ in b] == expected_names
+    for name in expected_names:
+        assert weights[name].shape == hf_sd[name].shape and weights[name].dtype == torch.float32
+    missing, unexpected = fresh.load_state_dict(weights, strict=False)
+    assert unexpected == [] and missing == (["lm_head.weight"] if tied else [])
+    if tied:
+        assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()
+    torch.testing.assert_close(hf_log_probs(fresh, batch), trained, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_round_trip_is_exact(make_trainer):
+    cfg = dict(lr=1e-3, critic_lr=1e-3, use_critic=True, lr_warmup_steps=3, micro_batch_max_tokens=20)
+    algorithm = AlgorithmConfig(kl_coef=0.1, adv_estimator="gae")
+    trainer = make_trainer(algorithm=algorithm, **cfg)
+    batch = fill_train_batch(trainer, random_train_batch(VOCAB, seed=8))
+    batch.meta["num_mini_batches"] = 2
+    trainer.update_critic(batch)
+    trainer.update_actor(batch)
+    state = trainer.state_dict_for_checkpoint()
+    assert state["counters"] == {"actor_updates": 1, "actor_steps": 2, "critic_updates": 1, "critic_steps": 2}
+
+    def step(backend):
+        metrics = {**backend.update_critic(batch), **backend.update_actor(batch)}
+        return metrics, collect_weights(backend), backend.compute_values(batch), torch.rand(3)
+
+    m1, w1, v1, r1 = step(trainer)
+    trainer.load_checkpoint_state(state)
+    m2, w2, v2, r2 = step(trainer)
+    assert m1 == m2
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert torch.equal(v1, v2) and torch.equal(r1, r2)
+    assert m1["actor/lr"] == pytest.approx(1e-3)  # warmup: steps 3 and 4 of 3
+
+    # resuming in a fresh backend gives the same step too
+    resumed = make_trainer(algorithm=algorithm, seed=123, **cfg)
+    resumed.load_checkpoint_state(state)
+    m3, w3, v3, _ = step(resumed)
+    assert m3 == m1
+    assert all(torch.equal(w1[k], w3[k]) for k in w1)
+    assert torch.equal(v1, v3)
+
+
+def test_lr_warmup(make_trainer):
+    trainer = make_trainer(lr=1e-3, lr_warmup_steps=4)
+    batch = fill_train_batch(trainer, random_train_batch(VOCAB, seed=9))
+    batch.meta["num_mini_batches"] = 3
+    assert trainer.update_actor(batch)["actor/lr"] == pytest.approx(1e-3 * (1 + 2 + 3) / 4 / 3)
+    assert trainer.actor_optim.param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
+# ----------------------------------------------------------------------------- lifecycle, config
+
+
+def test_close_destroys_the_process_group_it_created(model_dir):
+    was_initialized = dist.is_initialized()
+    a = make_fsdp_trainer(FSDPTrainerConfig(), model_path=model_dir, algorithm=AlgorithmConfig(), seed=0)
+    b = make_fsdp_trainer(FSDPTrainerConfig(), model_path=model_dir, algorithm=AlgorithmConfig(), seed=0)
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    a.close()
+    assert dist.is_initialized()  # b still uses it
+    b.close()
+    b.close()  # idempotent
+    assert dist.is_initialized() == was_initialized
+
+
+def test_config_validation():
+    assert FSDPTrainerConfig().type == "fsdp"
+    for bad in ({"lr": -1.0}, {"ppo_epochs": 0}, {"micro_batch_max_tokens": 0}, {"critic_warmup": -1},
+                {"param_dtype": "float16"}, {"betas": (0.9, 1.5)}, {"unknown": 1}, {"type": "megatron"}):
+        with pytest.raises(ValidationError):
+            FSDPTrainerConfig(**bad)
+
+
+def test_gae_without_critic_is_refused(model_dir):
+    with pytest.raises(ValueError, match="use_critic"):
+        make_fsdp_trainer(FSDPTrainerConfig(), model_path=model_dir, algorithm=AlgorithmConfig(adv_estimator="gae"))
+
+
+def test_hooks_register_without_importing_torch():
+    code = (
+        "import sys, ferryman_trainer_fsdp.hooks as h\n"
+        "assert 'torch' not in sys.modules, 'hooks imported torch'\n"
+        "from ferryman.plugins import PluginHost\n"
+        "spec = PluginHost(load_entry_points=False, extra_plugins=(h,)).get('trainer', 'fsdp')\n"
+        "assert spec.config_cls.__name__ == 'FSDPTrainerConfig'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
