@@ -4,11 +4,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ferryman.config import AlgorithmConfig
 from ferryman.testing.trainer_contract import TrainerContract, fill_train_batch, random_train_batch
 from ferryman.tiny import build_tiny_model
 from ferryman_trainer_fsdp.trainer import FSDPTrainerConfig, make_fsdp_trainer
+
+# tiny models: one intra-op thread is much faster than two on a small, busy machine
+# (OpenMP workers spin-wait on each other)
+torch.set_num_threads(1)
 
 VOCAB = 160
 
@@ -26,7 +31,8 @@ class TestFSDPTrainerContract(TrainerContract):
     CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm")
 
     @pytest.fixture(scope="class")
-    def trainer(self, tmp_path_factory):
+    @classmethod
+    def trainer(cls, tmp_path_factory):
         model_dir = build_tiny_model(tmp_path_factory.mktemp("contract") / "tiny", vocab_size=VOCAB)
         config = FSDPTrainerConfig(
             lr=1e-3,

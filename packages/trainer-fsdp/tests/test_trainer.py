@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -16,6 +17,10 @@ from ferryman.config import AlgorithmConfig
 from ferryman.testing.trainer_contract import collect_weights, fill_train_batch, random_train_batch
 from ferryman.tiny import build_tiny_model
 from ferryman_trainer_fsdp.trainer import FSDPTrainerBackend, FSDPTrainerConfig, make_fsdp_trainer
+
+# tiny models: one intra-op thread is much faster than two on a small, busy machine
+# (OpenMP workers spin-wait on each other)
+torch.set_num_threads(1)
 
 VOCAB = 160
 
@@ -296,12 +301,73 @@ def test_gae_without_critic_is_refused(model_dir):
         make_fsdp_trainer(FSDPTrainerConfig(), model_path=model_dir, algorithm=AlgorithmConfig(adv_estimator="gae"))
 
 
-def test_hooks_register_without_importing_torch():
-    code = (
-        "import sys, ferryman_trainer_fsdp.hooks as h\n"
-        "assert 'torch' not in sys.modules, 'hooks imported torch'\n"
-        "from ferryman.plugins import PluginHost\n"
-        "spec = PluginHost(load_entry_points=False, extra_plugins=(h,)).get('trainer', 'fsdp')\n"
-        "assert spec.config_cls.__name__ == 'FSDPTrainerConfig'\n"
-    )
+def test_hooks_import_without_torch_and_register_the_backend():
+    code = "import sys, ferryman_trainer_fsdp.hooks\nassert 'torch' not in sys.modules, 'hooks imported torch'\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+    from ferryman.plugins import PluginHost
+    from ferryman_trainer_fsdp import hooks
+
+    spec = PluginHost(load_entry_points=False, extra_plugins=(hooks,)).get("trainer", "fsdp")
+    assert spec.factory is make_fsdp_trainer and spec.config_cls is FSDPTrainerConfig
+
+
+# ----------------------------------------------------------------------------- two ranks
+
+_TWO_RANK_SCRIPT = """
+import sys, torch
+torch.set_num_threads(1)
+from ferryman.config import AlgorithmConfig
+from ferryman.testing.trainer_contract import collect_weights, fill_train_batch, random_train_batch
+from ferryman_trainer_fsdp.trainer import FSDPTrainerConfig, make_fsdp_trainer
+
+model_dir, out = sys.argv[1], sys.argv[2]
+config = FSDPTrainerConfig(lr=1e-3, critic_lr=1e-3, use_critic=True, micro_batch_max_tokens=16)
+trainer = make_fsdp_trainer(config, model_path=model_dir, algorithm=AlgorithmConfig(kl_coef=0.1), seed=0)
+assert trainer.world_size == 2
+batch = fill_train_batch(trainer, random_train_batch(160, num_groups=3, group_size=3, seed=3))
+batch.meta["num_mini_batches"] = 2
+result = {"old": batch.old_log_probs, "values": batch.values}
+result["actor"] = trainer.update_actor(batch)
+result["critic"] = trainer.update_critic(batch)
+state = trainer.state_dict_for_checkpoint()
+trainer.update_actor(batch)
+result["weights"] = collect_weights(trainer, 1 << 14)
+trainer.load_checkpoint_state(state)
+trainer.update_actor(batch)
+again = collect_weights(trainer)
+assert all(torch.equal(again[k], v) for k, v in result["weights"].items()), "round trip"
+if trainer.rank == 0:
+    torch.save(result, out)
+trainer.close()
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_rank(request, make_trainer, model_dir, tmp_path):
+    """Data parallel over two gloo ranks (torchrun) gives the single-rank results. Rows are split
+    unevenly (9 rows), so ranks run different numbers of real micro-batches."""
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("starts two processes (~1 min on 2 cores); select with -m slow")
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANK_SCRIPT)
+    out = tmp_path / "result.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script), model_dir, str(out)]
+    subprocess.run(cmd, check=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    two = torch.load(out)
+
+    trainer = make_trainer(lr=1e-3, critic_lr=1e-3, use_critic=True, micro_batch_max_tokens=16,
+                           algorithm=AlgorithmConfig(kl_coef=0.1))
+    batch = fill_train_batch(trainer, random_train_batch(VOCAB, num_groups=3, group_size=3, seed=3))
+    batch.meta["num_mini_batches"] = 2
+    torch.testing.assert_close(two["old"], batch.old_log_probs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(two["values"], batch.values, rtol=0, atol=1e-5)
+    one_actor, one_critic = trainer.update_actor(batch), trainer.update_critic(batch)
+    trainer.update_actor(batch)
+    for key, value in {**one_actor, **one_critic}.items():
+        assert {**two["actor"], **two["critic"]}[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    weights = collect_weights(trainer)
+    assert list(two["weights"]) == list(weights)
+    for name, tensor in weights.items():
+        torch.testing.assert_close(two["weights"][name], tensor, rtol=1e-4, atol=1e-5)

@@ -269,9 +269,13 @@ def run(cfg: RunConfig, host: PluginHost | None = None) -> dict[str, Any]:
         if cfg.runtime == "inline":
             summary = asyncio.run(_run_inline(cfg, host, plugin_cfgs))
         else:
+            os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+            # under `uv run`, Ray would start every worker with `uv run` too (re-resolving the
+            # project, maybe downloading a Python); the driver's interpreter is the right one.
+            # Ray reads this when it is first imported.
+            os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
             import ray
 
-            os.environ.setdefault("RAY_DEDUP_LOGS", "0")
             started = not ray.is_initialized()
             if started:
                 ray.init(

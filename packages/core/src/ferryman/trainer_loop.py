@@ -63,6 +63,8 @@ class Trainer:
                 break
             t_train = time.monotonic()
             batch = build_train_batch(samples, self.pad_token_id)
+            # the engine reports log-probs at its sampling temperature; the trainer must match
+            batch.meta["temperature"] = self.cfg.rollout.temperature
             m: dict[str, float] = {}
             self._fit_compute_reward(batch, samples, m)
             # compute runs in a worker thread so the actor's event loop stays responsive

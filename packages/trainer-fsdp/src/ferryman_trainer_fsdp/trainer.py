@@ -15,7 +15,12 @@ Token alignment follows :mod:`ferryman.batch`: position ``t`` of a log-prob desc
 ``t`` given tokens ``< t``, so the model's output at ``t - 1`` scores token ``t`` and position 0
 is 0. Values use the same alignment: ``values[t]`` is the critic's estimate computed from the
 hidden state at ``t - 1``, i.e. the value of the state in which token ``t`` is chosen. Padding
-positions of every returned ``[B, T]`` tensor are 0.
+positions of every returned ``[B, T]`` tensor are 0. If ``batch.meta["temperature"]`` is set,
+logits are divided by it before log-probs and entropies (to match an engine that samples with
+that temperature); the default is 1.
+
+Batch meta keys read: ``num_mini_batches`` (``update_actor``/``update_critic``: optimizer steps
+per epoch; rows of one GRPO group stay in one mini-batch) and ``temperature``.
 """
 
 from __future__ import annotations
@@ -97,6 +102,9 @@ class FSDPTrainerConfig(PluginConfig):
     (``gloo`` for CPU, ``nccl`` for GPUs)."""
     lr_warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warmup over this many optimizer steps (``LambdaLR``); 0 = constant."""
+    num_threads: int | None = Field(None, ge=1)
+    """``torch.set_num_threads`` at construction (process-wide; matters on CPU, where one
+    thread is often fastest for tiny models on a busy machine). ``None`` keeps torch's default."""
 
     @field_validator("betas")
     @classmethod
@@ -252,6 +260,8 @@ class FSDPTrainerBackend:
         self.model_path = str(model_path)
         self.seed = int(seed)
         self._closed = False
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self._owns_group = _acquire_process_group(config.backend)
         try:
             self.rank = dist.get_rank()
@@ -305,9 +315,11 @@ class FSDPTrainerBackend:
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         kwargs: dict[str, Any] = {"mesh": self.mesh, "mp_policy": self._mp_policy()}
-        if trainable and self.config.offload_optimizer and self.device.type == "cuda":
+        # on the CPU everything lives in host memory already: offloading is a no-op there
+        offload = trainable and self.config.offload_optimizer and self.device.type == "cuda"
+        if offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        if not (trainable and self.config.offload_optimizer and self.device.type == "cuda"):
+        else:
             model.to(self.device)
         for layer in layers:
             fully_shard(layer, **kwargs)
@@ -456,22 +468,28 @@ class FSDPTrainerBackend:
         return self._gather_per_token(batch, self.critic, lambda sub: self._token_values(self.critic, sub))
 
     # ------------------------------------------------------------------ updates
-    def _micro_weights(self, mbs: list[_MicroBatch]) -> list[float]:
-        """Gradient-accumulation weight of each local micro-batch: its share of the mini-batch's
-        aggregation units (masked tokens for token-mean, rows with a masked token for the
-        seq-mean modes), times the world size because FSDP averages gradients over ranks."""
+    def _micro_weights(self, mbs: list[_MicroBatch]) -> list[tuple[float, float, float]]:
+        """Per local micro-batch ``(grad_weight, loss_share, token_share)``.
+
+        ``loss_share`` is the micro-batch's share of the mini-batch's aggregation units (masked
+        tokens for token-mean; rows with at least one masked token for the seq-mean modes, as
+        :func:`ferryman.algorithms.agg_loss` counts them), so the sum of ``loss_share × micro
+        loss`` equals the mini-batch loss. ``grad_weight = loss_share × world_size`` because
+        FSDP averages gradients over ranks. ``token_share`` (share of masked tokens) weighs
+        token-level metrics such as the clip fraction."""
         token_mode = self.algorithm.loss_agg_mode == "token-mean"
-
-        def units(sub: TrainBatch) -> float:
-            if token_mode:
-                return float(sub.loss_mask.sum().item())
-            return float((sub.loss_mask.sum(-1) > 0).sum().item())
-
-        local = [units(mb.batch) if mb.real else 0.0 for mb in mbs]
-        total = float(self._all_reduce(torch.tensor([sum(local)], dtype=torch.float64)).item())
-        if total <= 0:
-            return [0.0 for _ in local]
-        return [u / total * self.world_size for u in local]
+        tokens = [float(mb.batch.loss_mask.sum().item()) if mb.real else 0.0 for mb in mbs]
+        if token_mode:
+            units = tokens
+        else:
+            units = [float((mb.batch.loss_mask.sum(-1) > 0).sum().item()) if mb.real else 0.0 for mb in mbs]
+        totals = self._all_reduce(torch.tensor([sum(units), sum(tokens)], dtype=torch.float64))
+        total_units, total_tokens = float(totals[0]), float(totals[1])
+        out = []
+        for u, t in zip(units, tokens, strict=True):
+            share = u / total_units if total_units > 0 else 0.0
+            out.append((share * self.world_size, share, t / total_tokens if total_tokens > 0 else 0.0))
+        return out
 
     def _optimizer_step(
         self, model: torch.nn.Module, optim: torch.optim.Optimizer, sched: Any
@@ -516,12 +534,13 @@ class FSDPTrainerBackend:
             sums[key] = sums.get(key, 0.0) + value * weight
             counts[key] = counts.get(key, 0.0) + weight
 
+        self.actor_optim.zero_grad(set_to_none=True)
         self.actor.train()
         for _ in range(self.config.ppo_epochs):
             for rows in mini_batches:
                 mbs = self._local_micro_batches(batch, rows)
                 weights = self._micro_weights(mbs)
-                for mb, w in zip(mbs, weights, strict=True):
+                for mb, (w, share, tok_share) in zip(mbs, weights, strict=True):
                     sub = mb.batch
                     logits = self._logits(self.actor, sub)
                     lp = self._token_log_probs(logits, sub)
@@ -552,19 +571,18 @@ class FSDPTrainerBackend:
                         loss = loss + alg.kl_coef * kl_loss
                         kl_value = float(kl_loss.detach().item())
                     (loss * w).backward()
-                    share = w / self.world_size
                     if mb.real:
                         add("actor/pg_loss", float(pg_loss.detach().item()), share)
                         add("actor/kl_loss", kl_value, share)
                         add("actor/entropy", float(ent_loss.detach().item()), share)
-                        add("actor/pg_clipfrac", pg_m["pg_clipfrac"], share)
-                        add("actor/ppo_kl", pg_m["ppo_kl"], share)
+                        add("actor/pg_clipfrac", pg_m["pg_clipfrac"], tok_share)
+                        add("actor/ppo_kl", pg_m["ppo_kl"], tok_share)
                 lr = float(self.actor_optim.param_groups[0]["lr"])
                 norm = self._optimizer_step(self.actor, self.actor_optim, self.actor_sched)
                 self.counters["actor_steps"] += 1
-                # once per step on every rank: divide the all-reduced sum back by the world size
-                add("actor/grad_norm", norm / self.world_size, 1.0 / self.world_size)
-                add("actor/lr", lr / self.world_size, 1.0 / self.world_size)
+                # the same value on every rank: weights 1/world sum to one count per step
+                add("actor/grad_norm", norm, 1.0 / self.world_size)
+                add("actor/lr", lr, 1.0 / self.world_size)
         self.actor.eval()
         self.counters["actor_updates"] += 1
         return self._reduce_metrics(sums, counts)
@@ -583,12 +601,13 @@ class FSDPTrainerBackend:
             sums[key] = sums.get(key, 0.0) + value * weight
             counts[key] = counts.get(key, 0.0) + weight
 
+        self.critic_optim.zero_grad(set_to_none=True)
         self.critic.train()
         for _ in range(self.config.ppo_epochs):
             for rows in mini_batches:
                 mbs = self._local_micro_batches(batch, rows)
                 weights = self._micro_weights(mbs)
-                for mb, w in zip(mbs, weights, strict=True):
+                for mb, (w, share, tok_share) in zip(mbs, weights, strict=True):
                     sub = mb.batch
                     values = self._token_values(self.critic, sub)
                     dev = values.device
@@ -601,15 +620,14 @@ class FSDPTrainerBackend:
                         agg=alg.loss_agg_mode,
                     )
                     (vf_loss * w).backward()
-                    share = w / self.world_size
                     if mb.real:
                         add("critic/vf_loss", float(vf_loss.detach().item()), share)
-                        add("critic/vf_clipfrac", vf_m["vf_clipfrac"], share)
+                        add("critic/vf_clipfrac", vf_m["vf_clipfrac"], tok_share)
                 lr = float(self.critic_optim.param_groups[0]["lr"])
                 norm = self._optimizer_step(self.critic, self.critic_optim, self.critic_sched)
                 self.counters["critic_steps"] += 1
-                add("critic/grad_norm", norm / self.world_size, 1.0 / self.world_size)
-                add("critic/lr", lr / self.world_size, 1.0 / self.world_size)
+                add("critic/grad_norm", norm, 1.0 / self.world_size)
+                add("critic/lr", lr, 1.0 / self.world_size)
         self.critic.eval()
         self.counters["critic_updates"] += 1
         return self._reduce_metrics(sums, counts)
@@ -657,7 +675,7 @@ class FSDPTrainerBackend:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         _reshard(model)
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world_size > 1)
+        options = StateDictOptions(full_state_dict=True)
         set_state_dict(
             model,
             optim,
@@ -669,10 +687,10 @@ class FSDPTrainerBackend:
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         """Full (unsharded) CPU state: actor model + optimizer + scheduler, the same for the
-        critic, counters and RNG states. The tensors are copies. With several ranks only rank 0
-        holds the model/optimizer tensors (the others get empty dicts); pass rank 0's state to
-        :meth:`load_checkpoint_state` on every rank. The reference model is not saved (it is the
-        initial actor, reloaded from ``model_path``)."""
+        critic, counters and RNG states. The tensors are copies. Every rank must call it (the
+        gather is a collective); with several ranks only rank 0's result holds the model and
+        optimizer tensors (the others get empty dicts), so save rank 0's. The reference model is
+        not saved (it is the initial actor, reloaded from ``model_path``)."""
         state: dict[str, Any] = {
             "format": 1,
             "actor": self._model_optim_state(self.actor, self.actor_optim, self.actor_sched),
@@ -687,6 +705,13 @@ class FSDPTrainerBackend:
         return state
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Restore a state from :meth:`state_dict_for_checkpoint`. Every rank must call it; with
+        several ranks only rank 0's ``state`` is used (it is broadcast to the others, whose
+        argument is ignored), and every rank then takes its own shard."""
+        if self.world_size > 1:
+            holder = [state if self.rank == 0 else None]
+            dist.broadcast_object_list(holder, src=0)
+            state = holder[0]
         self._load_model_optim_state(self.actor, self.actor_optim, self.actor_sched, state["actor"])
         if self.critic is not None:
             if state.get("critic") is None:

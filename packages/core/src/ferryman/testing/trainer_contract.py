@@ -6,7 +6,8 @@ Subclass :class:`TrainerContract` in a test module and provide two fixtures::
 
     class TestMyTrainer(TrainerContract):
         @pytest.fixture(scope="class")
-        def trainer(self, tmp_path_factory):
+        @classmethod
+        def trainer(cls, tmp_path_factory):
             backend = make_my_trainer(...)
             yield backend
             backend.close()
