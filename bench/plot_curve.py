@@ -25,7 +25,14 @@ def main() -> None:
     rows = [json.loads(line) for line in (Path(args.run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if not rows:
         raise SystemExit("no metrics")
-    t0 = rows[0]["time"] - rows[0].get("timing/step_s", 0.0)
+    run_json = Path(args.run_dir) / "run.json"
+    summary = Path(args.run_dir) / "summary.json"
+    if run_json.exists():  # minutes since `ferryman train` started the run (start-up included)
+        t0 = json.loads(run_json.read_text())["started_at"]
+    elif summary.exists() and "started_at" in json.loads(summary.read_text()):
+        t0 = json.loads(summary.read_text())["started_at"]
+    else:
+        t0 = rows[0]["time"] - rows[0].get("timing/step_s", 0.0)
     minutes = [(r["time"] - t0) / 60 for r in rows]
     reward = [r["reward/mean"] for r in rows]
     stale = [r.get("staleness/token_mean", 0.0) for r in rows]
@@ -35,7 +42,7 @@ def main() -> None:
     smooth = [sum(reward[max(0, i - k + 1) : i + 1]) / len(reward[max(0, i - k + 1) : i + 1]) for i in range(len(reward))]
     ax.plot(minutes, smooth, label=f"reward/mean ({k}-step moving average)", color="tab:blue")
     ax.axhline(0.8, color="grey", linestyle=":", label="0.8")
-    ax.set_xlabel("wall time (minutes)")
+    ax.set_xlabel("wall time since the run started (minutes, start-up included)")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
     ax2 = ax.twinx()

@@ -39,7 +39,9 @@ class EngineActor:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from ferryman.config import validate_plugin_section
         from ferryman.plugins import PluginHost
+        from ferryman.runner import quiet_transformers
 
+        quiet_transformers()
         host = PluginHost()
         cfg = validate_plugin_section(host, "engine", "engine", engine_cfg)
         self.replica = replica

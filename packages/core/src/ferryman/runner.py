@@ -29,6 +29,15 @@ from ferryman.types import SamplingParams
 log = logging.getLogger(__name__)
 
 
+def quiet_transformers() -> None:
+    """No weight-loading progress bars in a run's log (one per actor and replica otherwise)."""
+    try:
+        import transformers.utils.logging as tlog
+    except ImportError:  # pragma: no cover
+        return
+    tlog.disable_progress_bar()
+
+
 def _load_tokenizer(path: str) -> Any:
     try:
         from transformers import AutoTokenizer
@@ -127,6 +136,7 @@ def build_trainer(
 
 class RolloutActor:
     def __init__(self, cfg: RunConfig, queue: Any, engines: list[EngineHandle]) -> None:
+        quiet_transformers()
         host = PluginHost()
         self.rollouter = build_rollouter(cfg, host, validate_plugin_sections(cfg, host), queue, engines)
 
@@ -169,6 +179,7 @@ class TrainerActor:
         import torch
 
         torch.set_num_threads(cfg.trainer_threads)
+        quiet_transformers()
         host = PluginHost()
         self.queue = queue
         sources = [lambda: rollouter_actor.stats.remote(), queue.stats]
@@ -252,6 +263,20 @@ async def _run_ray(cfg: RunConfig, host: PluginHost, plugin_cfgs: dict[str, Any]
     return result
 
 
+def _no_uv_run_workers() -> None:
+    """Under ``uv run``, Ray would start every worker through ``uv run`` as well (re-resolving the
+    project, possibly trying to download an interpreter: fatal offline). The driver's own
+    interpreter and environment are the right ones for the workers. Ray reads the switch
+    ``RAY_ENABLE_UV_RUN_RUNTIME_ENV`` once, when first imported, so set the constant too."""
+    os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
+    try:
+        from ray._private import ray_constants
+
+        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+    except (ImportError, AttributeError):  # pragma: no cover - other Ray versions
+        pass
+
+
 def run(cfg: RunConfig, host: PluginHost | None = None) -> dict[str, Any]:
     """Run a whole training job; returns a summary (also written to ``RUN_DIR/summary.json``)."""
     host = host or PluginHost()
@@ -260,29 +285,27 @@ def run(cfg: RunConfig, host: PluginHost | None = None) -> dict[str, Any]:
         raise ConfigError("queue.type: 'local' lives in one process; with runtime 'ray' use 'ray' (allowed: ray)")
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    quiet_transformers()
     prepare_model(cfg)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     host.notify("ferryman_on_run_start", config=cfg, run_dir=str(run_dir))
     t0 = time.time()
+    (run_dir / "run.json").write_text(json.dumps({"started_at": t0, "mode": cfg.async_training.mode, "funnel": cfg.funnel()}))
     summary: dict[str, Any] = {}
     try:
         if cfg.runtime == "inline":
             summary = asyncio.run(_run_inline(cfg, host, plugin_cfgs))
         else:
-            os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-            # under `uv run`, Ray would start every worker with `uv run` too (re-resolving the
-            # project, maybe downloading a Python); the driver's interpreter is the right one.
-            # Ray reads this when it is first imported.
-            os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
             import ray
 
+            _no_uv_run_workers()
             started = not ray.is_initialized()
             if started:
                 ray.init(
                     num_cpus=cfg.ray_num_cpus or os.cpu_count() or 1,
                     include_dashboard=False,
                     logging_level=logging.WARNING,
-                    runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}},
+                    runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}},
                 )
             try:
                 summary = asyncio.run(_run_ray(cfg, host, plugin_cfgs))
@@ -291,6 +314,7 @@ def run(cfg: RunConfig, host: PluginHost | None = None) -> dict[str, Any]:
                     ray.shutdown()
     finally:
         summary["wall_s"] = time.time() - t0
+        summary["started_at"] = t0
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         host.notify("ferryman_on_run_end", run_dir=str(run_dir), metrics={"wall_s": summary["wall_s"]})
     return summary
