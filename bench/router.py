@@ -282,6 +282,8 @@ async def main() -> None:
 
     ray = None
     if not args.no_ray:
+        # under `uv run`, Ray would start its workers through `uv run` too (see runner.py)
+        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
         import ray as _ray
 
         ray = _ray

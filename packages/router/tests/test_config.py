@@ -18,7 +18,7 @@ def host():
 def test_defaults():
     cfg = StickyRouterConfig()
     assert cfg.type == "sticky" and cfg.mode == "least_in_flight"
-    assert cfg.sticky_capacity == 10_000 and cfg.rebalance and cfg.rebalances
+    assert cfg.sticky_capacity == 10_000 and cfg.rebalance and cfg.rebalance_effective
     assert cfg.quarantine_s == 60 and cfg.stall_timeout_s is None and not cfg.shared
 
 
@@ -54,7 +54,7 @@ def test_bad_values_are_rejected_naming_the_field(host, raw, field, hint):
 
 def test_hash_mode_turns_rebalancing_off_by_default():
     cfg = StickyRouterConfig(mode="hash")
-    assert cfg.rebalance and not cfg.rebalances
+    assert cfg.rebalance and not cfg.rebalance_effective
     router = make_router(cfg, replicas=["a"])
     assert not router.rebalance
 

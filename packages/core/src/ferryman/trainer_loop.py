@@ -9,7 +9,6 @@ import asyncio
 import logging
 import math
 import time
-from collections import Counter
 from typing import Any
 
 import torch
@@ -201,13 +200,14 @@ class Trainer:
         versions = batch.token_versions[mask]
         v = self.current_param_version
         if versions.numel():
-            lag = (v - versions).tolist()
+            lag = v - versions
             m["staleness/min_token_version"] = float(versions.min())
             m["staleness/max_token_version"] = float(versions.max())
-            m["staleness/token_mean"] = sum(lag) / len(lag)
-            m["staleness/token_max"] = float(max(lag))
-            for k, c in sorted(Counter(lag).items()):
-                m[f"staleness/token_hist/{k}"] = float(c)
+            m["staleness/token_mean"] = float(lag.float().mean())
+            m["staleness/token_max"] = float(lag.max())
+            for k, c in enumerate(torch.bincount(lag.clamp(min=0)).tolist()):
+                if c:
+                    m[f"staleness/token_hist/{k}"] = float(c)
         else:
             m["staleness/min_token_version"] = m["staleness/max_token_version"] = float(v)
         sample_lag = [v - s.min_version for s in samples if s.min_version >= 0]

@@ -41,7 +41,7 @@ class StickyRouterConfig(PluginConfig):
     """A session moves when ``(in_flight[its replica] + 1) / (in_flight[least loaded] + 1)``
     exceeds this ratio (and the gap below is reached)."""
 
-    rebalance_min_gap: int = Field(4, ge=1)
+    rebalance_min_gap: int = Field(6, ge=1)
     """… and its replica has at least this many more requests in flight than the least loaded
     one, so that small absolute differences never move a session."""
 
@@ -78,6 +78,6 @@ class StickyRouterConfig(PluginConfig):
         return self
 
     @property
-    def rebalances(self) -> bool:
+    def rebalance_effective(self) -> bool:
         """Whether sessions are moved by load (never in hash mode)."""
         return self.rebalance and self.mode == "least_in_flight"

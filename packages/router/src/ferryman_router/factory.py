@@ -13,7 +13,7 @@ def router_options(config: StickyRouterConfig, seed: int = 0) -> dict[str, Any]:
     return {
         "sticky_capacity": config.sticky_capacity,
         "mode": config.mode,
-        "rebalance": config.rebalances,
+        "rebalance": config.rebalance_effective,
         "rebalance_threshold": config.rebalance_threshold,
         "rebalance_min_gap": config.rebalance_min_gap,
         "quarantine_s": config.quarantine_s,

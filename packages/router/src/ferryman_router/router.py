@@ -48,7 +48,7 @@ class _Replica:
         self.active: dict[str, int] = {}
         """request id → requests of it in flight here."""
         self.last_pick = -1
-        """Tie-break stamp: the decision number when this replica last got a new session."""
+        """Tie-break stamp: increases each time a replica gets a new session; lowest wins a tie."""
         self.healthy = True
         self.until = 0.0
         """While quarantined: the monotonic time it may come back (``inf``: only by add_replica)."""
@@ -80,7 +80,7 @@ class StickyRouter:
         mode: Literal["least_in_flight", "hash"] = "least_in_flight",
         rebalance: bool = True,
         rebalance_threshold: float = 2.0,
-        rebalance_min_gap: int = 4,
+        rebalance_min_gap: int = 6,
         quarantine_s: float | None = 60.0,
         stall_timeout_s: float | None = None,
         seed: int = 0,
@@ -297,7 +297,7 @@ class StickyRouter:
             if not self._healthy:
                 raise NoReplicaError(self._no_replica_message())
             self.failovers += 1
-            rep = self._pick_new(self._healthy)
+            rep = self._hashed(request_id, self._healthy) if self.hash_mode else self._pick_new(self._healthy)
             self._remember(request_id, rep.name)
         if rep.in_flight == 0:
             rep.last_progress = now  # idle → busy: the stall clock starts now

@@ -184,7 +184,15 @@ class SharedStickyRouter:
         fut: asyncio.Future[str] = loop.create_future()
         self._acquires.append((request_id, fut))
         self._kick(loop)
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # cancelled after the answer arrived but before this task resumed: the caller never
+            # sees the replica, so give the slot back (a cancelled ``fut`` is handled on arrival)
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._releases.append((request_id, fut.result()))
+                self._kick(loop)
+            raise
 
     async def release(self, request_id: str, replica: str) -> None:
         loop = self._bind()
