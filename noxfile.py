@@ -1,9 +1,9 @@
 """One session per package (that package and core only, in a clean environment) and one for
 the cross-package tests in tests/. GPU tests are marked ``gpu`` and never run here.
 
-    uvx nox -l                 # list sessions
-    uvx nox -s core            # core alone
-    uvx nox -s engine_hf trainer_fsdp integration
+    uv run nox -l              # list sessions
+    uv run nox -s core         # core alone
+    uv run nox -s engine_hf trainer_fsdp integration
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ TEST_DEPS = ["pytest>=8", "pytest-asyncio>=0.24", "pytest-timeout>=2.3"]
 PACKAGES = {
     "engine_hf": "packages/engine-hf",
     "trainer_fsdp": "packages/trainer-fsdp",
+    "router": "packages/router",
 }
 
 

@@ -125,6 +125,22 @@ async def test_acquire_cancelled_while_its_batch_is_out_is_released(fresh_shared
     assert set(loads(st).values()) == {0.0}, "…and got the slot back"
 
 
+async def test_acquire_cancelled_after_its_answer_arrived_is_released(fresh_shared):
+    """The answer is set on the caller's future, then the caller is cancelled before it resumes:
+    it never sees the replica, so the client must give the slot back itself."""
+    router = fresh_shared(["a", "b"])
+    task = asyncio.ensure_future(router.acquire("t"))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    (batch,) = list(router._out)  # white box: cancel right after the batch's answer is handed out
+    batch.add_done_callback(lambda _: task.cancel())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await router.flush()
+    st = await router.stats()
+    assert st["router/decisions"] == 1 and set(loads(st).values()) == {0.0}
+
+
 async def test_no_replica_error_crosses_the_actor(fresh_shared):
     router = fresh_shared(["a"])
     await router.report_failure("a", "down")
