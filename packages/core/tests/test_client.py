@@ -111,3 +111,23 @@ async def test_all_replicas_dead_raises():
     raw["r0"].generate = dead  # type: ignore[method-assign]
     with pytest.raises((ReplicaFailedError, RuntimeError)):
         await client.generate("t", [1], SamplingParams(max_tokens=2))
+
+
+async def test_cancel_while_router_decides_does_not_leak_a_slot():
+    class SlowRouter(LocalRouter):
+        async def acquire(self, request_id):
+            await asyncio.sleep(0.05)  # a remote router: the decision takes a round trip
+            return await super().acquire(request_id)
+
+    engines = {"r0": EngineHandle("r0", engine=EchoEngine())}
+    router = SlowRouter(["r0"])
+    client = ServerClient(router, engines, partial_rollout=False)
+    task = asyncio.ensure_future(client.generate("t", [1], SamplingParams(max_tokens=2)))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.1)
+    await client.drain()
+    assert router.decisions == 1
+    assert router.in_flight["r0"] == 0, "the slot granted after the cancel was released"

@@ -48,10 +48,25 @@ class ServerClient:
         self._pending_releases.add(task)
         task.add_done_callback(self._pending_releases.discard)
 
+    async def _acquire(self, request_id: str) -> str:
+        """Ask the router for a replica. If the caller is cancelled while a (remote) router is
+        deciding, the replica it still hands out afterwards is released, so no slot leaks."""
+        decision = asyncio.ensure_future(self.router.acquire(request_id))
+        try:
+            return await asyncio.shield(decision)
+        except asyncio.CancelledError:
+
+            def release_if_granted(fut: asyncio.Future[str]) -> None:
+                if not fut.cancelled() and fut.exception() is None:
+                    self._release_later(request_id, fut.result())
+
+            decision.add_done_callback(release_if_granted)
+            raise
+
     async def _generate_once(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> TokenOutput:
         failures = 0
         while True:
-            replica = await self.router.acquire(request_id)
+            replica = await self._acquire(request_id)
             try:
                 return await self.engines[replica].generate(request_id, prompt_ids, params)
             except (ValueError, TypeError):
