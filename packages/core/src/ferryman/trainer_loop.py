@@ -47,9 +47,7 @@ class Trainer:
         self.current_param_version = 0
         self.local_trigger_step = 0
         self.global_step = 0
-        self.trained_sample_uids: list[str] = []
         self.step_records: list[dict[str, Any]] = []
-        self._wait_s = 0.0
         self._busy_s = 0.0
         self._start = time.monotonic()
 
@@ -81,7 +79,6 @@ class Trainer:
             m.update(sync_metrics)
             self.global_step += 1
             self._busy_s += train_s
-            self._wait_s += wait_s
             m.update(
                 {
                     "trainer/step": float(self.global_step),
@@ -93,7 +90,6 @@ class Trainer:
                     "perf/tokens": float(batch.num_tokens),
                 }
             )
-            self.trained_sample_uids.extend(s.uid for s in samples)
             self.step_records.append(
                 {
                     "step": self.global_step,

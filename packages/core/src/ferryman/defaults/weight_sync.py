@@ -51,15 +51,15 @@ class ObjectStoreSync:
         n_bytes = 0
         pack_s = 0.0
         send_s = 0.0
+        remote = any(getattr(e, "is_remote", False) for e in engines)
+        if remote:
+            import ray
         for bucket in buckets:
             t0 = time.perf_counter()
             crc = bucket_checksum(bucket) if self.verify else None
             n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            payload: Any = bucket
-            if any(getattr(e, "is_remote", False) for e in engines):
-                import ray
-
-                payload = ray.put(bucket)
+            # put once into the object store; every replica reads the same object
+            payload: Any = ray.put(bucket) if remote else bucket
             t1 = time.perf_counter()
             await asyncio.gather(*(e.load_weights(payload, checksum=crc) for e in engines))
             send_s += time.perf_counter() - t1
