@@ -113,6 +113,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps (after one warm-up)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-checkpointing", action="store_true", help="turn activation checkpointing off")
+    ap.add_argument("--checkpoint-layers", type=int, default=None,
+                    help="recompute only the first N decoder layers (default: all; see FSDPTrainerConfig.checkpoint_layers)")
     ap.add_argument("--offload-optimizer", action="store_true")
     ap.add_argument("--model-dir", default=None, help="reuse a model saved by an earlier run")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
@@ -143,6 +145,7 @@ def main() -> int:
         param_dtype="bfloat16" if cuda else "float32",
         reduce_dtype="float32",
         activation_checkpointing=not args.no_checkpointing,
+        checkpoint_layers=None if args.no_checkpointing else args.checkpoint_layers,
         offload_optimizer=args.offload_optimizer,
         micro_batch_max_tokens=args.seq_len,
         grad_clip=1.0,
@@ -185,6 +188,8 @@ def main() -> int:
         "seq_len": args.seq_len,
         "rows_per_step": rows,
         "activation_checkpointing": not args.no_checkpointing,
+        "checkpoint_layers": "none" if args.no_checkpointing else (
+            "all" if args.checkpoint_layers is None else args.checkpoint_layers),
         "offload_optimizer": args.offload_optimizer,
         "step_s": round(mean, 4),
         "tokens_per_s": round(tok_s, 1),

@@ -149,6 +149,45 @@ def test_micro_batching_does_not_change_the_update(make_trainer, agg):
         assert m_tiny[key] == pytest.approx(m_huge[key], rel=1e-4, abs=1e-6), key
 
 
+def _layer_forward_calls(trainer) -> list[list[int]]:
+    """Install counters of forward calls of each decoder layer's MLP (transformers checkpoints a
+    layer's ``forward``, so the layer's own hooks run once, its submodules' again on recompute)."""
+    calls: list[list[int]] = []
+    for layer in trainer._decoder_layers(trainer.actor):
+        counter = [0]
+        layer.mlp.register_forward_pre_hook(lambda *_, c=counter: c.__setitem__(0, c[0] + 1))
+        calls.append(counter)
+    return calls
+
+
+@pytest.mark.parametrize("count", [0, 1, 2])
+def test_selective_checkpointing_recomputes_only_the_first_layers(make_trainer, count):
+    """``checkpoint_layers: N`` recomputes the first N decoder layers in backward (their forward
+    runs twice per micro-batch) and leaves the others alone, and the update is the same as with
+    no checkpointing at all."""
+    common = dict(lr=1e-3, micro_batch_max_tokens=1 << 20)
+    selective = make_trainer(activation_checkpointing=True, checkpoint_layers=count, **common)
+    plain = make_trainer(**common)
+    batch = fill_train_batch(plain, random_train_batch(VOCAB, num_groups=2, group_size=2, seed=5))
+    calls = _layer_forward_calls(selective)
+    assert len(calls) == 2
+    m_sel = selective.update_actor(batch)
+    m_plain = plain.update_actor(batch)
+    # one micro-batch: one forward per layer, plus one recompute for the checkpointed ones
+    assert [c[0] for c in calls] == [2 if i < count else 1 for i in range(2)]
+    w_sel, w_plain = collect_weights(selective), collect_weights(plain)
+    for name in w_plain:
+        torch.testing.assert_close(w_sel[name], w_plain[name], rtol=1e-4, atol=1e-5)
+    assert m_sel["actor/pg_loss"] == pytest.approx(m_plain["actor/pg_loss"], rel=1e-5, abs=1e-7)
+
+
+def test_checkpoint_layers_beyond_the_model_is_an_error(make_trainer):
+    with pytest.raises(ValueError, match="trainer.checkpoint_layers: 3 exceeds the model's 2"):
+        make_trainer(activation_checkpointing=True, checkpoint_layers=3)
+    with pytest.raises(ValidationError, match="checkpoint_layers"):
+        FSDPTrainerConfig(checkpoint_layers=-1)
+
+
 def test_mini_batches_keep_groups_together():
     from ferryman_trainer_fsdp.trainer import _split_groups
 
