@@ -13,6 +13,8 @@ from ferryman.algorithms import (
     compute_grpo_advantages,
     entropy_from_logits,
     kl_penalty,
+    lean_entropy_from_logits,
+    lean_log_probs_from_logits,
     log_probs_from_logits,
     masked_mean,
     masked_sum,
@@ -149,6 +151,61 @@ def test_entropy_from_logits() -> None:
         [[1.0397208, 1.3862944], [0.0, 1.0397208]],
         atol=1e-4,
     )
+
+
+def test_lean_log_probs_match_hand_values_and_the_plain_formula() -> None:
+    logits = torch.tensor([[[0.0, 0.0, LN2], [0.0, 0.0, LN2]], [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])
+    labels = torch.tensor([[2, 0], [1, 2]])
+    # chunks of 1 position: every (row, position) its own chunk
+    close(
+        lean_log_probs_from_logits(logits, labels, chunk_tokens=1),
+        [[-0.6931472, -1.3862944], [-1.0986123, -1.0986123]],
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_lean_log_probs_gradients_equal_the_plain_ones(dtype, chunk) -> None:
+    """Values and gradients of the chunked autograd function equal those of the plain formula,
+    on a slice ``logits[:, :-1]`` of a larger tensor (the trainer's case) with -inf (banned)
+    logits, for chunk sizes that divide the length, do not, and exceed it."""
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(3, 8, 50, generator=g) * 4).to(dtype)
+    base[0, 2, 7] = -math.inf
+    labels = torch.randint(0, 50, (3, 7), generator=g)
+    weights = torch.randn(3, 7, generator=g)
+
+    def run(fn):
+        leaf = base.clone().requires_grad_(True)
+        out = fn(leaf[:, :-1], labels)
+        (out * weights).sum().backward()
+        return out.detach(), leaf.grad
+
+    lean_out, lean_grad = run(lambda x, y: lean_log_probs_from_logits(x, y, chunk_tokens=chunk))
+    ref_out, ref_grad = run(log_probs_from_logits)
+    assert lean_out.dtype == torch.float32 and lean_grad.dtype == dtype
+    torch.testing.assert_close(lean_out, ref_out, rtol=1e-6, atol=1e-5)
+    tol = {"rtol": 1.6e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(lean_grad, ref_grad, **tol)
+    assert torch.all(lean_grad[:, -1] == 0)  # the last position is not part of the slice
+
+
+def test_lean_entropy_equals_the_plain_one() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 9, 30, generator=g) * 3
+    logits[1, 4, :5] = -math.inf
+    torch.testing.assert_close(
+        lean_entropy_from_logits(logits, chunk_tokens=4), entropy_from_logits(logits), rtol=1e-6, atol=1e-6
+    )
+
+
+def test_lean_functions_reject_bad_shapes() -> None:
+    with pytest.raises(ValueError, match=r"must be \[B, T, V\]"):
+        lean_log_probs_from_logits(torch.zeros(4, 5), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="do not match"):
+        lean_log_probs_from_logits(torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        lean_log_probs_from_logits(torch.zeros(2, 4, 5), torch.zeros(2, 4, dtype=torch.long), chunk_tokens=0)
 
 
 # ---------------------------------------------------------------- token rewards

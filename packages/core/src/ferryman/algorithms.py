@@ -29,6 +29,8 @@ __all__ = [
     "agg_loss",
     "log_probs_from_logits",
     "entropy_from_logits",
+    "lean_log_probs_from_logits",
+    "lean_entropy_from_logits",
     "token_rewards_from_scores",
     "compute_gae",
     "compute_grpo_advantages",
@@ -176,6 +178,84 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     zero = torch.zeros((), dtype=lf.dtype, device=lf.device)
     p_times_z = torch.where(probs > 0, probs * lf, zero)
     return lse - p_times_z.sum(dim=-1)
+
+
+def _row_chunks(shape: torch.Size, chunk_tokens: int):
+    """``(b, start, end)`` spans that cover a ``[B, T, V]`` tensor ``chunk_tokens`` positions at a
+    time; each ``x[b, start:end]`` is a view (no copy) even when ``x`` is a slice of a larger
+    tensor such as ``logits[:, :-1]``."""
+    batch, length = int(shape[0]), int(shape[1])
+    for b in range(batch):
+        for start in range(0, length, chunk_tokens):
+            yield b, start, min(start + chunk_tokens, length)
+
+
+class _LeanLogProbs(torch.autograd.Function):
+    """``log_softmax(logits)[label]`` computed ``chunk_tokens`` positions at a time in float32,
+    saving only the input logits (in their own dtype) and one float32 log-sum-exp per position
+    for the backward, which recomputes the softmax chunk by chunk: the float32 ``[B, T, V]``
+    copies of the plain formula are never made."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+        out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
+        lse_all = torch.empty_like(out)
+        for b, s, e in _row_chunks(logits.shape, chunk_tokens):
+            lf = logits[b, s:e].float()
+            lse = torch.logsumexp(lf, dim=-1)
+            picked = lf.gather(-1, labels[b, s:e].long().unsqueeze(-1)).squeeze(-1)
+            out[b, s:e] = picked - lse
+            lse_all[b, s:e] = lse
+        ctx.save_for_backward(logits, labels, lse_all)
+        ctx.chunk_tokens = chunk_tokens
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, labels, lse_all = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad_out = grad_out.float()
+        for b, s, e in _row_chunks(logits.shape, ctx.chunk_tokens):
+            g = grad_out[b, s:e]
+            # d(picked - lse)/dz = onehot(label) - softmax(z)
+            chunk = torch.exp(logits[b, s:e].float() - lse_all[b, s:e].unsqueeze(-1))
+            chunk.mul_(g.unsqueeze(-1).neg())
+            chunk.scatter_add_(-1, labels[b, s:e].long().unsqueeze(-1), g.unsqueeze(-1))
+            grad[b, s:e] = chunk.to(grad.dtype)
+        return grad, None, None
+
+
+def lean_log_probs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 1024
+) -> torch.Tensor:
+    """:func:`log_probs_from_logits` for ``[B, T, V]`` logits with a memory bound: float32 work
+    happens ``chunk_tokens`` positions at a time, forward and backward (a custom autograd
+    function that saves the logits as they are and one log-sum-exp per position). Same values
+    and gradients as the plain formula up to float32 rounding; the gradient comes back in the
+    logits' dtype, as it would through ``logits.float()``. With a 152k vocabulary and 8k
+    positions it avoids ~10 GiB of float32 temporaries."""
+    if logits.dim() != 3:
+        raise ValueError(f"lean_log_probs_from_logits: logits must be [B, T, V], got {tuple(logits.shape)}")
+    if labels.shape != logits.shape[:2]:
+        raise ValueError(
+            f"lean_log_probs_from_logits: labels {tuple(labels.shape)} do not match logits {tuple(logits.shape)}"
+        )
+    if chunk_tokens < 1:
+        raise ValueError(f"lean_log_probs_from_logits: chunk_tokens must be >= 1, got {chunk_tokens}")
+    return _LeanLogProbs.apply(logits, labels, int(chunk_tokens))
+
+
+@torch.no_grad()
+def lean_entropy_from_logits(logits: torch.Tensor, chunk_tokens: int = 1024) -> torch.Tensor:
+    """:func:`entropy_from_logits` of ``[B, T, V]`` logits computed ``chunk_tokens`` positions
+    at a time, without gradient (for the entropy metric; a trained entropy bonus needs the
+    plain function)."""
+    if logits.dim() != 3:
+        raise ValueError(f"lean_entropy_from_logits: logits must be [B, T, V], got {tuple(logits.shape)}")
+    out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+    for b, s, e in _row_chunks(logits.shape, max(1, int(chunk_tokens))):
+        out[b, s:e] = entropy_from_logits(logits[b, s:e])
+    return out
 
 
 # --------------------------------------------------------------------------------------------
