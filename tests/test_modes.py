@@ -147,6 +147,21 @@ def test_colocated_generation_and_training_take_turns(tmp_path, tiny_model):
         assert not [t for t in tl.trajs if t.start < b.end and b.start < t.end], "generation and training overlapped"
     assert {c.kind for c in tl.cells if c.get is not None} == {"fresh"}
     assert timeline.stats(tl)["staleness_sample_hist"] == {0: 5 * W}
+    # the trainer's memory takes turns too: offloaded at the start and after each window's
+    # weights went out (before the engines wake), onloaded after the engines went to sleep
+    turns = sorted(
+        (r["ts"], r["args"]["step"] if r["name"] == "sync.step" else r["name"])
+        for r in records
+        if r["name"] == "sync.sleep"
+        or (r["name"] == "sync.step" and r["args"]["step"] in ("trainer_offload", "trainer_onload", "transfer", "resume"))
+    )
+    kinds = [k for _, k in turns]
+    window = ["sync.sleep", "trainer_onload", "transfer", "trainer_offload", "resume"]  # one sync per window
+    assert kinds == ["trainer_offload"] + window * 3, kinds
+    onloads = [ts for ts, k in turns if k == "trainer_onload"]
+    offloads = [ts for ts, k in turns if k == "trainer_offload"]
+    for b in tl.train:  # every training step runs between an onload and the next offload
+        assert any(on <= b.start and not any(on < off < b.end for off in offloads) for on in onloads), b
 
 
 @pytest.mark.slow

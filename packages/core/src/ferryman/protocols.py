@@ -210,7 +210,13 @@ class TrainerBackend(Protocol):
 
         A backend may also offer ``save_checkpoint(path: str)`` / ``load_checkpoint(path: str)``
         (write/read that state under a directory, e.g. sharded with torch distributed
-        checkpointing); run checkpoints use them when present, else ``torch.save`` of this."""
+        checkpointing); run checkpoints use them when present, else ``torch.save`` of this.
+
+        Colocated mode (``async_training.colocated``) also uses two optional methods when a
+        backend has them: ``offload()`` frees the accelerator (parameters and optimizer states
+        to host memory) once the weights went out, so the engines can generate in that memory,
+        and ``onload()`` brings them back after the engines went to sleep. A backend must
+        onload by itself if any other method is called while offloaded."""
         ...
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None: ...

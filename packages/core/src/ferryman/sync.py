@@ -60,6 +60,9 @@ class Synchronizer:
         could not take the weights); the caller stops routing to it."""
         self.lost: list[str] = []
         self.transfer_retries = 0
+        self.offload_trainer = False
+        """Colocated mode: after the weights went out (before the engines take their memory
+        back) the trainer backend is offloaded (its optional ``offload()``)."""
 
     async def _all(self, step: str, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every engine; a replica that is gone is dropped, any other error
@@ -117,6 +120,24 @@ class Synchronizer:
         trace.complete("sync.step", time.time() - dur, dur, version=version, step=step, **args)
         return dur
 
+    async def _trainer_memory(self, method: str, version: int) -> float:
+        """Call the trainer backend's optional ``offload``/``onload`` in a worker thread and
+        trace it; 0.0 if the backend has no such method."""
+        fn = getattr(self.backend, method, None)
+        if fn is None or not callable(fn):
+            return 0.0
+        t = time.perf_counter()
+        await asyncio.to_thread(fn)
+        return self._trace_step(f"trainer_{method}", t, version)
+
+    async def wake_trainer(self, version: int) -> dict[str, float]:
+        """Colocated mode: bring the trainer's state back to its device (the engines sleep)."""
+        return {"sync/trainer_onload_s": await self._trainer_memory("onload", version)}
+
+    async def park_trainer(self, version: int) -> dict[str, float]:
+        """Colocated mode: move the trainer's state off its device (the engines will generate)."""
+        return {"sync/trainer_offload_s": await self._trainer_memory("offload", version)}
+
     async def sleep_engines(self, version: int) -> dict[str, float]:
         """Colocated mode: the engines go to sleep (pause without abort, release KV cache) while
         the Trainer trains; the next :meth:`update_weights` wakes them with the new weights."""
@@ -144,6 +165,8 @@ class Synchronizer:
         t = time.perf_counter()
         m.update(await self._transfer(version))
         m["sync/transfer_s"] = self._trace_step("transfer", t, version)
+        if self.offload_trainer:
+            m.update(await self.park_trainer(version))
         t = time.perf_counter()
         await self._all("set_version", "set_version", version)
         versions = await self._all("get_version", "get_version")

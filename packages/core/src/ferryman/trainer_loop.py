@@ -62,12 +62,18 @@ class Trainer:
         self._busy_s = 0.0
         self._start = time.monotonic()
         self.colocated = cfg.async_training.colocated
+        if self.colocated:
+            # the trainer's device memory is the engines' while they generate (backends with
+            # offload()/onload(); others keep theirs)
+            synchronizer.offload_trainer = True
         self._pending: list[Sample] = []
         """Samples taken from the queue but not trained yet (colocated: the whole window)."""
         self._taken_at: dict[str, float] = {}
         self._samples_total = 0
 
     async def fit(self) -> list[dict[str, Any]]:
+        if self.colocated and self.global_step < self.cfg.training.total_steps:
+            await self.synchronizer.park_trainer(self.current_param_version)
         while self.global_step < self.cfg.training.total_steps:
             t_step = time.monotonic()
             samples, wait_s = await self._fit_generate()
@@ -162,6 +168,7 @@ class Trainer:
         trace.complete("trainer.wait", trace.wall(t0), wait_s, step=self.global_step + 1, first_of_window=first)
         if self.colocated and first:
             await self.synchronizer.sleep_engines(self.current_param_version)
+            await self.synchronizer.wake_trainer(self.current_param_version)
         samples, self._pending = self._pending[: self.required_samples], self._pending[self.required_samples :]
         if self.colocated:  # held back by the trainer until now: this is when the sample leaves the queue
             self._taken_at.update((s.uid, time.time()) for s in samples)

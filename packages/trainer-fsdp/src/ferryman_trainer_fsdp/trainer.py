@@ -273,6 +273,20 @@ def _shift_right(x: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(x, (1, width - 1 - x.shape[1]))
 
 
+def _onloaded(method: Callable) -> Callable:
+    """Bring an offloaded backend back to its device before ``method`` runs (see
+    :meth:`FSDPTrainerBackend.offload`)."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self: FSDPTrainerBackend, *args: Any, **kwargs: Any) -> Any:
+        if self._offloaded:
+            self.onload()
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class _MicroBatch:
     __slots__ = ("rows", "batch", "real")
 
@@ -300,6 +314,8 @@ class FSDPTrainerBackend:
         self.model_path = str(model_path)
         self.seed = int(seed)
         self._closed = False
+        self._offloaded = False
+        self._offloaded_states: list[tuple[dict[str, Any], str]] = []
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self._owns_group = _acquire_process_group(config.backend)
@@ -490,12 +506,14 @@ class FSDPTrainerBackend:
         return self._all_reduce(out)
 
     # ------------------------------------------------------------------ no-grad passes
+    @_onloaded
     def compute_log_probs(self, batch: TrainBatch) -> torch.Tensor:
         self.actor.eval()
         return self._gather_per_token(
             batch, self.actor, lambda sub: self._token_log_probs(self._logits(self.actor, sub), sub)
         )
 
+    @_onloaded
     def compute_ref_log_probs(self, batch: TrainBatch) -> torch.Tensor:
         if self.ref is None:
             raise RuntimeError(
@@ -505,6 +523,7 @@ class FSDPTrainerBackend:
             batch, self.ref, lambda sub: self._token_log_probs(self._logits(self.ref, sub), sub)
         )
 
+    @_onloaded
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("FSDPTrainerBackend: no critic (set trainer.use_critic: true)")
@@ -559,6 +578,7 @@ class FSDPTrainerBackend:
         n = len(keys)
         return {k: float(vals[i] / vals[n + i]) if vals[n + i] > 0 else 0.0 for i, k in enumerate(keys)}
 
+    @_onloaded
     def update_actor(self, batch: TrainBatch) -> dict[str, float]:
         if batch.old_log_probs is None or batch.advantages is None:
             raise ValueError("update_actor: the batch needs old_log_probs and advantages")
@@ -633,6 +653,7 @@ class FSDPTrainerBackend:
         self.counters["actor_updates"] += 1
         return self._reduce_metrics(sums, counts)
 
+    @_onloaded
     def update_critic(self, batch: TrainBatch) -> dict[str, float]:
         if self.critic is None:
             raise RuntimeError("FSDPTrainerBackend: no critic (set trainer.use_critic: true)")
@@ -679,6 +700,7 @@ class FSDPTrainerBackend:
         return self._reduce_metrics(sums, counts)
 
     # ------------------------------------------------------------------ weights
+    @_onloaded
     def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
         """Full actor tensors named as in the transformers model's ``state_dict()`` (so
         ``load_state_dict`` / ``from_pretrained`` accept them), float32, detached, contiguous,
@@ -731,6 +753,7 @@ class FSDPTrainerBackend:
         )
         sched.load_state_dict(state["sched"])
 
+    @_onloaded
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         """Full (unsharded) CPU state: actor model + optimizer + scheduler, the same for the
         critic, counters and RNG states. The tensors are copies. Every rank must call it (the
@@ -750,6 +773,7 @@ class FSDPTrainerBackend:
             state["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
         return state
 
+    @_onloaded
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict_for_checkpoint`. Every rank must call it; with
         several ranks only rank 0's ``state`` is used (it is broadcast to the others, whose
@@ -791,6 +815,7 @@ class FSDPTrainerBackend:
                 state[name] = {"model": get_model_state_dict(model)}
         return state
 
+    @_onloaded
     def save_checkpoint(self, path: str) -> None:
         """Save the complete training state under the directory ``path`` with torch distributed
         checkpointing (``torch.distributed.checkpoint.save``): each rank writes its own shards
@@ -824,6 +849,7 @@ class FSDPTrainerBackend:
         if self.world_size > 1:
             dist.barrier()
 
+    @_onloaded
     def load_checkpoint(self, path: str) -> None:
         """Load a state saved by :meth:`save_checkpoint`, on any number of ranks (DCP reshards:
         a checkpoint of 2 ranks loads on 1 and the other way round). Every rank must call it.
@@ -856,6 +882,60 @@ class FSDPTrainerBackend:
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.device)
+
+    # ------------------------------------------------------------------ colocated mode
+    def _models(self) -> list[torch.nn.Module]:
+        return [m for m in (self.actor, self.ref, self.critic) if m is not None]
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.actor_optim, self.critic_optim) if o is not None]
+
+    @property
+    def offloaded(self) -> bool:
+        """True between :meth:`offload` and the next :meth:`onload`."""
+        return self._offloaded
+
+    @torch.no_grad()
+    def offload(self) -> None:
+        """Free the accelerator: move every model's (sharded) parameters and every optimizer
+        state to host memory and return the cached blocks to the driver, so that a colocated
+        inference engine can use the memory. Gradients are already freed after each step. Any
+        later call that needs the models (:meth:`onload` explicitly, or any compute, update,
+        weight-streaming or checkpoint method) moves them back first. Nothing moves on the CPU
+        device or with ``offload_optimizer`` (everything already lives on the host); the
+        backend is only marked offloaded."""
+        if self._offloaded:
+            return
+        if self.device.type == "cpu" or self.config.offload_optimizer:
+            self._offloaded = True
+            return
+        for model in self._models():
+            _reshard(model)
+            model.cpu()
+        moved: list[tuple[dict[str, Any], str]] = []
+        for optim in self._optimizers():
+            for state in optim.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                        state[key] = value.to("cpu")
+                        moved.append((state, key))
+        self._offloaded_states = moved
+        self._offloaded = True
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def onload(self) -> None:
+        """Undo :meth:`offload` (a no-op if the backend is not offloaded)."""
+        if not self._offloaded:
+            return
+        for model in self._models():
+            model.to(self.device)
+        for state, key in self._offloaded_states:
+            state[key] = state[key].to(self.device)
+        self._offloaded_states = []
+        self._offloaded = False
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
