@@ -194,3 +194,39 @@ def test_on_ray_a_replica_and_the_trainer_are_killed_and_the_run_resumes(request
     summary = _run_inline(run_dir, tiny_model, ray_args, resume=run_dir)
     assert summary["resumed"]["step"] == 2  # step 3's checkpoint was due after the kill point
     _assert_same_as_uninterrupted(summary, baseline, run_dir)
+
+
+@pytest.mark.slow
+def test_the_rollouter_fails_the_run_stops_and_resumes(tmp_path, tiny_model, baseline):
+    """The Rollouter's own machinery raises when it starts its 9th sample (after the first
+    checkpoints): the trainer is not left waiting for samples that never come; the run stops
+    with an error naming the checkpoint, and ``--resume`` finishes it with the uninterrupted
+    run's samples."""
+    from ferryman.checkpoint import RollouterDiedError
+
+    run_dir = tmp_path / "run"
+    os.environ["FERRYMAN_FAULTS"] = "rollouter.sample@9=raise"
+    try:
+        with pytest.raises(RollouterDiedError, match="Rollouter failed.*FaultInjected.*--resume"):
+            _run_inline(run_dir, tiny_model)
+    finally:
+        del os.environ["FERRYMAN_FAULTS"]
+    error = json.loads((run_dir / "summary.json").read_text())["error"]
+    assert "checkpoints/step-" in error, error
+    summary = _run_inline(run_dir, tiny_model, resume=run_dir)
+    assert summary["resumed"]["step"] >= 1
+    _assert_same_as_uninterrupted(summary, baseline, run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_on_ray_the_rollouter_actor_is_killed_and_the_run_stops(tmp_path, tiny_model):
+    """Local Ray: the Rollouter actor's process is SIGKILLed when it starts its 5th sample. The
+    driver does not hang on the trainer (which waits for samples): it stops the run and names
+    the Rollouter and the way to resume; ``ferryman train`` exits with status 1."""
+    run_dir = tmp_path / "run"
+    args = [*_overrides(run_dir, tiny_model, ["runtime=ray", "ray_num_cpus=2"])]
+    proc = _cli(args, "rollouter.sample@5=kill", timeout=400)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "the Rollouter failed" in proc.stderr and "--resume" in proc.stderr, proc.stderr[-3000:]
+    assert "Rollouter failed" in json.loads((run_dir / "summary.json").read_text())["error"]

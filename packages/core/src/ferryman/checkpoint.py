@@ -89,8 +89,18 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be read or does not fit this run."""
 
 
-class TrainerDiedError(RuntimeError):
+class RunDiedError(RuntimeError):
+    """A part of the pipeline died or failed; the run was stopped and can resume from its last
+    checkpoint (the message says which and how)."""
+
+
+class TrainerDiedError(RunDiedError):
     """The trainer process died; the run was stopped and can resume from its last checkpoint."""
+
+
+class RollouterDiedError(RunDiedError):
+    """The Rollouter (its process, or its own machinery) failed; the run was stopped and can
+    resume from its last checkpoint."""
 
 
 # --------------------------------------------------------------------------- the Rollouter's part

@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from ferryman.checkpoint import CheckpointError, TrainerDiedError
+    from ferryman.checkpoint import CheckpointError, RunDiedError
     from ferryman.config import ConfigError
     from ferryman.plugins import PluginError
 
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PluginError, CheckpointError) as e:
         print(f"ferryman: error: {e}", file=sys.stderr)
         return 2
-    except TrainerDiedError as e:
+    except RunDiedError as e:
         print(f"ferryman: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

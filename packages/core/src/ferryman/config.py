@@ -204,7 +204,8 @@ class RunConfig(Strict):
     trackers: list[dict[str, Any]] = Field(default_factory=lambda: [{"type": "jsonl"}])
     runtime: Literal["ray", "inline"] = "ray"
     """``ray``: Rollouter, MessageQueue, engines and Trainer are Ray actors (local Ray on a laptop).
-    ``inline``: all of them on one asyncio loop in this process (tests, debugging)."""
+    ``inline``: all of them on one asyncio loop in this process (tests, debugging); the queue is
+    then always the in-process ``local`` queue, whatever ``queue.type`` says (logged)."""
     ray_num_cpus: int | None = None
     engine_threads: int = Field(1, ge=1)
     """torch threads per engine replica."""

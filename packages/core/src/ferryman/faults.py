@@ -23,7 +23,8 @@ point gives its replica name). Actions:
 
 Points in core: ``rollout.generate`` (an agent run calls generate), ``env.run`` (an agent run
 starts; scope: the task index), ``engine.generate`` (a replica receives a request; scope: the
-replica), ``trainer.get`` (the trainer took a sample from the queue), ``trainer.step`` (a
+replica), ``rollouter.sample`` (the Rollouter starts a sample; scope: the task index),
+``trainer.get`` (the trainer took a sample from the queue), ``trainer.step`` (a
 trainer step ended), ``sync.bucket`` (a weight bucket is about to be sent), ``checkpoint.write``
 (a checkpoint is written but not yet renamed into place).
 

@@ -23,11 +23,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ferryman import trace
+from ferryman.faults import hit
 from ferryman.protocols import Env, GenerateClient, Queue
 from ferryman.replay import InFlightSample, RunRecorder
 from ferryman.types import Sample, SamplingParams, Trajectory, new_id
 
 log = logging.getLogger(__name__)
+
+
+class RollouterError(RuntimeError):
+    """The Rollouter's own machinery failed (see :attr:`Rollouter.failure`)."""
 
 
 @dataclass
@@ -90,6 +95,9 @@ class Rollouter:
         self.active: dict[str, asyncio.Task[None]] = {}
         self.paused = False
         self.stopped = False
+        self.failure: BaseException | None = None
+        """An unexpected error of the Rollouter's own machinery (not of an agent run: those are
+        counted and dropped). It stops admission and :meth:`fit` raises it."""
         self._cond: asyncio.Condition | None = None
         self._fit_task: asyncio.Task[None] | None = None
 
@@ -169,6 +177,8 @@ class Rollouter:
                 async with cond:
                     await cond.wait_for(lambda: self.stopped or not self.active)
                 break
+        if self.failure is not None:
+            raise RollouterError(f"the Rollouter failed: {self.failure!r}") from self.failure
 
     def sample_uid(self, index: int) -> str:
         """A sample's identity: epoch and task index (deterministic for a seed; a resumed run
@@ -249,6 +259,7 @@ class Rollouter:
         put_ok = False
         t0 = time.time()
         try:
+            hit("rollouter.sample", index)
             task = self.env.get_task(index)
             if state is None:
                 state = InFlightSample(uid, index, version, [new_id("r-") for _ in range(self.n)], timings={"generate_start": t0})
@@ -273,12 +284,20 @@ class Rollouter:
             put_ok = await self.queue.put(sample)
             if put_ok:
                 self.total_produced += 1
+        except Exception as e:  # noqa: BLE001 - not an agent run's error (those never get here)
+            if not self.stopped and self.failure is None:
+                # e.g. the data set, the queue or an on_sample hook failing: retrying the next
+                # task would fail the same way, so the Rollouter stops and fit() raises it
+                log.error("Rollouter: sample %s failed outside its agent runs: %r", uid, e)
+                self.failure = e
         finally:
             if trace.enabled():
                 trace.complete("rollouter.sample", t0, time.time() - t0, uid=uid, task_index=index, version=version, queued=put_ok)
             async with self.cond:
                 self.active.pop(uid, None)
                 self.inflight.pop(uid, None)
+                if self.failure is not None:
+                    self.stopped = True
                 if not put_ok and not self.stopped:
                     # nothing reached the trainer: give the quota slot back so no window starves
                     self.window_admitted -= 1

@@ -19,7 +19,15 @@ from typing import Any
 import yaml
 
 from ferryman import faults, trace
-from ferryman.checkpoint import CheckpointError, Checkpointer, TrainerDiedError, find_checkpoint, read_meta
+from ferryman.checkpoint import (
+    CheckpointError,
+    Checkpointer,
+    RollouterDiedError,
+    RunDiedError,
+    TrainerDiedError,
+    find_checkpoint,
+    read_meta,
+)
 from ferryman.client import ServerClient
 from ferryman.config import ConfigError, RunConfig, validate_plugin_sections
 from ferryman.engine_host import EngineHandle, spawn_engine_actors
@@ -284,10 +292,35 @@ def _on_sigterm(cfg: RunConfig, request_stop: Any) -> Any:
     return lambda: loop.remove_signal_handler(signal.SIGTERM)
 
 
+async def _train_while_rolling_out(train: asyncio.Future, rollout: asyncio.Future, close_queue: Any) -> Any:
+    """Await the trainer's ``fit``; if the Rollouter's ``fit`` fails first (its actor died, or
+    its machinery raised), close the queue so the trainer stops instead of waiting for samples
+    that will never come, and raise :class:`RollouterDiedError`. A Rollouter that simply
+    finished (every sample admitted) leaves the trainer to train what is queued."""
+    await asyncio.wait({train, rollout}, return_when=asyncio.FIRST_COMPLETED)
+    if not train.done() and rollout.done() and not rollout.cancelled() and rollout.exception() is not None:
+        err = rollout.exception()
+        log.error("the Rollouter failed (%r): stopping the trainer", err)
+        try:
+            await close_queue()
+        except Exception as e:  # noqa: BLE001 - a dead queue stops the trainer as well
+            log.debug("closing the queue: %r", e)
+        done, _ = await asyncio.wait({train}, timeout=120)
+        if not done:
+            train.cancel()
+        elif not train.cancelled() and train.exception() is not None:
+            log.debug("the trainer stopped with %r", train.exception())
+        raise RollouterDiedError(f"the Rollouter failed ({err.__class__.__name__}: {err}); the run stopped") from err
+    return await train
+
+
 async def _run_inline(
     cfg: RunConfig, host: PluginHost, plugin_cfgs: dict[str, Any], resume: Path | None = None, resume_step: int | None = None
 ) -> dict[str, Any]:
     funnel = cfg.funnel()
+    if plugin_cfgs["queue"].type != "local":
+        # one process: the MessageQueue is the in-process one whatever queue.type names
+        log.info("runtime 'inline': queue.type %r replaced by the in-process 'local' queue", plugin_cfgs["queue"].type)
     queue = host.create("queue", plugin_cfgs["queue"].model_copy(update={"type": "local"}), maxsize=funnel["max_queue_size"])
     engines = []
     for i in range(cfg.rollout.num_replicas):
@@ -310,7 +343,7 @@ async def _run_inline(
         if resume is not None:
             await ck.restore(resume)
         fit = asyncio.create_task(rollouter.fit())
-        records = await trainer.fit()
+        records = await _train_while_rolling_out(asyncio.create_task(trainer.fit()), fit, queue.close)
     finally:
         remove_handler()
         await rollouter.stop()
@@ -356,12 +389,18 @@ async def _run_ray(
         if resume is not None:
             await trainer.restore.remote(str(resume))
         fit_ref = rollouter.fit.remote()
-        result = await trainer.fit.remote()
+        train_ref = trainer.fit.remote()
+        result = await _train_while_rolling_out(
+            asyncio.wrap_future(train_ref.future()), asyncio.wrap_future(fit_ref.future()), queue.close
+        )
     except ray.exceptions.RayActorError as e:
         raise TrainerDiedError(f"the trainer died ({e.__class__.__name__}); the run stopped") from e
     finally:
         remove_handler()
-        await rollouter.stop.remote()
+        try:
+            await rollouter.stop.remote()
+        except ray.exceptions.RayActorError as e:  # it died: nothing to stop
+            log.debug("stopping the Rollouter: %r", e)
         await queue.close()
         try:
             if fit_ref is not None:
@@ -454,10 +493,10 @@ def run(cfg: RunConfig, host: PluginHost | None = None, *, resume: str | Path | 
             finally:
                 if started:
                     ray.shutdown()
-    except TrainerDiedError as e:
+    except RunDiedError as e:
         latest = latest_checkpoint(cfg)
         summary["error"] = f"{e}; resume from {latest or '(no checkpoint yet)'} with: ferryman train --resume {run_dir}"
-        raise TrainerDiedError(summary["error"]) from e
+        raise type(e)(summary["error"]) from e
     finally:
         summary["wall_s"] = time.time() - t0
         summary["started_at"] = t0
