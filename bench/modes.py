@@ -18,6 +18,14 @@ Trainer, running at once. The trainer uses one torch thread in every mode (more 
 tiny model's steps slower in a trial here). The total number of agent runs in flight is the same
 (``--concurrency`` samples) in every mode.
 
+Sizing: fully async is meant to run with rollout capacity at least the Trainer's consumption,
+so that the Trainer never waits. The defaults give the Trainer enough work per sample
+(``--ppo-epochs`` passes over each mini-batch, 4 turns of 32 tokens per run) and the Rollouter
+enough room (``--staleness``) for that on 2 cores; every mode runs the same workload. Too
+little trainer work (the old defaults: 1 epoch, 2 turns of 16 tokens) leaves (d) bounded by the
+staleness quota (Little's law: at most ``(1 + s) × window`` samples in flight or queued, each
+taking the mean sample latency), with the Trainer idle however the pipeline behaves.
+
 Fair comparison (seed §06): one train batch is ``--window`` samples for every mode.
 Colocated, (b), (c), (d) sync once per window (``trigger = window / mini-batch``); (a) syncs
 after every mini-batch. Throughput and idle ratios come from each run's trace, measured from
