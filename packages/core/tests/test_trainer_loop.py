@@ -78,8 +78,7 @@ async def test_next_samples_are_taken_while_a_step_trains_but_not_across_a_sync(
     queue = _TimedQueue(16)
     for i in range(10):
         await queue.put(_sample(i))
-    backend, sync = _SlowBackend(), None
-    sync = _Sync(queue)
+    backend, sync = _SlowBackend(), _Sync(queue)
     trainer = _trainer(queue, sync, backend, trigger=3, steps=6)
     records = await asyncio.wait_for(trainer.fit(), 30)
     assert [r["sample_uids"] for r in records] == [[f"s{i}"] for i in range(6)]
@@ -90,7 +89,7 @@ async def test_next_samples_are_taken_while_a_step_trains_but_not_across_a_sync(
     for k in (1, 2, 4, 5):
         assert queue.gets[k] < up[k - 1][1] and queue.gets[k] < up[k - 1][0] + TRAIN_S / 2, (k, queue.gets, up)
     # steps 4 (first of window 2): taken only after the sync that ended window 1
-    (_, s0, s1, qsize_at_sync), _ = sync.updates
+    (_, _, s1, qsize_at_sync), _ = sync.updates
     assert queue.gets[3] >= s1
     assert qsize_at_sync == 7, "at the sync the next window's samples are all still queued"
 
