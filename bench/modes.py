@@ -18,12 +18,20 @@ Trainer, running at once. The trainer uses one torch thread in every mode (more 
 tiny model's steps slower in a trial here). The total number of agent runs in flight is the same
 (``--concurrency`` samples) in every mode.
 
+Sizing: fully async is meant to run with rollout capacity at least the Trainer's consumption,
+so that the Trainer never waits. The defaults give the Trainer enough work per sample
+(``--ppo-epochs`` passes over each mini-batch, 4 turns of 32 tokens per run) and the Rollouter
+enough room (``--staleness``) for that on 2 cores; every mode runs the same workload. Too
+little trainer work (the old defaults: 1 epoch, 2 turns of 16 tokens) leaves (d) bounded by the
+staleness quota (Little's law: at most ``(1 + s) × window`` samples in flight or queued, each
+taking the mean sample latency), with the Trainer idle however the pipeline behaves.
+
 Fair comparison (seed §06): one train batch is ``--window`` samples for every mode.
 Colocated, (b), (c), (d) sync once per window (``trigger = window / mini-batch``); (a) syncs
 after every mini-batch. Throughput and idle ratios come from each run's trace, measured from
 the end of the first window to the end of the last step.
 
-    .venv/bin/python bench/modes.py                       # about 8 minutes on 2 busy cores
+    .venv/bin/python bench/modes.py                       # about 15 minutes on 2 busy cores
     .venv/bin/python bench/modes.py --modes colocated,d --steps 8 --quick   # a smoke run
     .venv/bin/python bench/modes.py --redraw              # table and charts again from the traces
 """
@@ -106,7 +114,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path) -> tup
         "rollout.temperature=1.0",
         f"training.ppo_mini_batch_size={args.mini}",
         f"training.total_steps={args.steps}",
-        "trainer={type: fsdp, lr: 1.0e-4}",
+        f"trainer={{type: fsdp, lr: 1.0e-4, ppo_epochs: {args.ppo_epochs}}}",
         "engine={type: hf}",
         (
             f"env={{type: longtail_digits, num_tasks: 64, turns: {args.turns}, median_s: {args.median_s}, "
@@ -129,15 +137,15 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path) -> tup
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="colocated,a,b,c,d,d@3", help="d@3: mode (d) with staleness_threshold 3")
+    p.add_argument("--modes", default="colocated,a,b,c,d,d@1,d@2", help="d@1: mode (d) with staleness_threshold 1")
     p.add_argument("--window", type=int, default=8, help="samples per train batch (between two syncs, except (a))")
     p.add_argument("--mini", type=int, default=2, help="ppo_mini_batch_size (samples per local step)")
-    p.add_argument("--steps", type=int, default=12, help="local trainer steps per mode (the first window is warm-up)")
-    p.add_argument("--staleness", type=float, default=1.0, help="staleness_threshold of (c) and (d)")
+    p.add_argument("--steps", type=int, default=32, help="local trainer steps per mode (the first window is warm-up)")
+    p.add_argument("--staleness", type=float, default=3.0, help="staleness_threshold of (c) and (d)")
     p.add_argument("--n", type=int, default=2, help="trajectories per sample")
-    p.add_argument("--turns", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens per turn")
-    p.add_argument("--median-s", type=float, default=0.4)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per turn")
+    p.add_argument("--median-s", type=float, default=0.8)
     p.add_argument("--tail-every", type=int, default=10)
     p.add_argument("--tail-x", type=float, default=10.0)
     p.add_argument("--cpus", type=int, default=2, help="CPU cores the run may use (colocated: all per phase; async: half each)")
@@ -147,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=64, help="tiny model hidden size")
     p.add_argument("--layers", type=int, default=2, help="tiny model layers")
+    p.add_argument("--ppo-epochs", type=int, default=4, help="trainer passes over each mini-batch (trainer work per sample)")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench-modes"))
     p.add_argument("--png", default=str(ROOT / "bench" / "results" / "modes.png"))
     p.add_argument("--chart-seconds", type=float, default=None, help="time span of each panel (default: two windows of steps)")

@@ -173,3 +173,53 @@ async def test_env_may_return_segments():
     assert len(samples[0].trajectories) == 4, "2 runs x 2 segments"
     assert samples[0].dropped == 0
     assert r.total_failed_trajectories == 2 and r.total_dropped_samples == 1
+
+
+class _SlowReplyQueue(MessageQueue):
+    """A queue whose ``put`` lands at once but answers late, like a put to the queue actor
+    whose reply is still on its way back to the Rollouter."""
+
+    def __init__(self, maxsize: int) -> None:
+        super().__init__(maxsize)
+        self.reply = asyncio.Event()
+
+    async def put(self, sample):
+        ok = await super().put(sample)
+        await self.reply.wait()
+        return ok
+
+
+async def test_quota_counts_landed_samples_once_and_not_taken_ones():
+    """Known numbers: quota 4 (window 2, staleness 1). The first window admits 4; all 4 land in
+    the queue while their puts have not returned yet; the trainer takes 1. At the sync the
+    carry-over is 3 (each queued sample once; the taken one not at all), so the next window may
+    admit exactly 4 - 3 = 1 more."""
+    engines = {"r0": EngineHandle("r0", engine=EchoEngine())}
+    queue = _SlowReplyQueue(8)
+    r = Rollouter(
+        env=EchoEnv(),
+        client=ServerClient(LocalRouter(["r0"]), engines, partial_rollout=True),
+        queue=queue,
+        n=1,
+        sampling=SamplingParams(max_tokens=2),
+        max_required_samples=4,
+        max_concurrent_samples=8,
+    )
+    fit = asyncio.create_task(r.fit())
+    for _ in range(200):
+        if await queue.qsize() == 4:
+            break
+        await asyncio.sleep(0.01)
+    assert await queue.qsize() == 4 and len(r.active) == 4, "all four landed, none of their puts returned"
+    assert (await queue.get()) is not None  # the trainer takes one
+    await r.pause_for_sync(wait_for_active=False)
+    carried = await r.reset_staleness(1)
+    assert carried == 3, "a landed sample counts once; a taken one does not count"
+    await asyncio.sleep(0.1)
+    assert r.windows[-1].quota == 1
+    assert r.windows[-1].admitted == 1 and r.total_admitted == 5
+    queue.reply.set()
+    await asyncio.sleep(0.05)
+    await r.stop()
+    fit.cancel()
+    assert r.window_admitted == 4

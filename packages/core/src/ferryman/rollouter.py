@@ -93,6 +93,8 @@ class Rollouter:
         self.window_admitted = 0
         self.windows: list[WindowRecord] = [WindowRecord(version=0, carried=0, quota=max_required_samples)]
         self.active: dict[str, asyncio.Task[None]] = {}
+        self._delivering: set[str] = set()
+        """Samples in ``active`` whose ``queue.put`` has been called: they count as queued."""
         self.paused = False
         self.stopped = False
         self.failure: BaseException | None = None
@@ -281,6 +283,8 @@ class Rollouter:
             state.complete = sample
             if self.on_sample is not None:
                 self.on_sample(sample)
+            # from here the sample counts as queued, not in flight (see reset_staleness)
+            self._delivering.add(uid)
             put_ok = await self.queue.put(sample)
             if put_ok:
                 self.total_produced += 1
@@ -295,6 +299,7 @@ class Rollouter:
                 trace.complete("rollouter.sample", t0, time.time() - t0, uid=uid, task_index=index, version=version, queued=put_ok)
             async with self.cond:
                 self.active.pop(uid, None)
+                self._delivering.discard(uid)
                 self.inflight.pop(uid, None)
                 if self.failure is not None:
                     self.stopped = True
@@ -321,7 +326,11 @@ class Rollouter:
         Returns ``num_staleness_sample``."""
         async with self.cond:
             self.version = version
-            carried = len(self.active) + await self.queue.qsize()
+            # queue first, then the samples in flight that have not started their put: a sample
+            # whose put landed in the queue but has not returned yet is still in ``active``, and
+            # counting ``len(active) + qsize`` would count it twice (and shrink the next quota)
+            queued = await self.queue.qsize()
+            carried = queued + sum(1 for uid in self.active if uid not in self._delivering)
             self.window_admitted = carried
             self.windows.append(
                 WindowRecord(version=version, carried=carried, quota=max(0, self.max_required_samples - carried))

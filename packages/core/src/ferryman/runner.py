@@ -141,11 +141,15 @@ def build_trainer(
     async def on_metrics(step: int, metrics: dict[str, float]) -> None:
         if step % cfg.log_every:
             return
-        for source in stats_sources:
-            try:
-                metrics.update(await source())
-            except Exception as e:  # noqa: BLE001 - stats are best effort
-                log.debug("stats source failed: %r", e)
+        # the sources are other actors: ask them all at once
+        async def ask(source: Any) -> dict[str, float]:
+            return await source()
+
+        for result in await asyncio.gather(*(ask(source) for source in stats_sources), return_exceptions=True):
+            if isinstance(result, BaseException):  # stats are best effort
+                log.debug("stats source failed: %r", result)
+            else:
+                metrics.update(result)
         for tracker in trackers:
             tracker.log(metrics, step)
 

@@ -70,8 +70,21 @@ class Trainer:
         """Samples taken from the queue but not trained yet (colocated: the whole window)."""
         self._taken_at: dict[str, float] = {}
         self._samples_total = 0
+        self._prefetch: asyncio.Task[bool] | None = None
+        """Takes the next local step's samples while this one trains (same window only)."""
+        self._publish: asyncio.Task[None] | None = None
+        """Reports the previous step's metrics while this one runs."""
 
     async def fit(self) -> list[dict[str, Any]]:
+        try:
+            return await self._fit()
+        finally:
+            if self._prefetch is not None:  # only left over when a step failed
+                self._prefetch.cancel()
+                self._prefetch = None
+            await self._published()
+
+    async def _fit(self) -> list[dict[str, Any]]:
         if self.colocated and self.global_step < self.cfg.training.total_steps:
             await self.synchronizer.park_trainer(self.current_param_version)
         while self.global_step < self.cfg.training.total_steps:
@@ -83,6 +96,7 @@ class Trainer:
                 log.info("queue closed or stop asked for: trainer stops at step %d", self.global_step)
                 break
             t_train = time.monotonic()
+            self._start_prefetch()
             batch = build_train_batch(samples, self.pad_token_id)
             # the engine reports log-probs at its sampling temperature; the trainer must match
             batch.meta["temperature"] = self.cfg.rollout.temperature
@@ -127,10 +141,10 @@ class Trainer:
                     "created_versions": [s.created_version for s in samples],
                 }
             )
-            if self.on_metrics is not None:
-                await _maybe_await(self.on_metrics(self.global_step, m))
-            if self.on_step_end is not None:
-                self.on_step_end(self.global_step, m)
+            # the step's metrics go out (stats of the other actors, trackers, observers) while
+            # the next step runs; one publication at a time, in step order
+            await self._published()
+            self._publish = asyncio.create_task(self._publish_step(self.global_step, m))
             if self.checkpointer is not None:
                 await self.checkpointer.after_step()
                 if self.stop_requested and self.local_trigger_step == 0:
@@ -158,12 +172,11 @@ class Trainer:
         if self.colocated and first:
             # colocated: the whole window is generated before the engines sleep and training starts
             want *= min(self.trigger, self.cfg.training.total_steps - self.global_step)
-        while len(self._pending) < want:
-            sample = await self._next_sample()
-            if sample is None:  # closed, or a stop at a sync boundary: _pending is checkpointed
-                return None, time.monotonic() - t0
-            self._taken_at[sample.uid] = time.time()
-            self._pending.append(sample)
+        if self._prefetch is not None:
+            task, self._prefetch = self._prefetch, None
+            await task  # what it could not get (queue closed, a stop) the loop below settles
+        if not await self._take_into_pending(want):  # closed, or a stop at a sync boundary: _pending is checkpointed
+            return None, time.monotonic() - t0
         wait_s = time.monotonic() - t0
         trace.complete("trainer.wait", trace.wall(t0), wait_s, step=self.global_step + 1, first_of_window=first)
         if self.colocated and first:
@@ -173,6 +186,42 @@ class Trainer:
         if self.colocated:  # held back by the trainer until now: this is when the sample leaves the queue
             self._taken_at.update((s.uid, time.time()) for s in samples)
         return samples, wait_s
+
+    async def _take_into_pending(self, want: int) -> bool:
+        """Take samples from the queue until ``want`` are pending; False if the queue closed
+        or a stop was asked for at a sync boundary."""
+        while len(self._pending) < want:
+            sample = await self._next_sample()
+            if sample is None:
+                return False
+            self._taken_at[sample.uid] = time.time()
+            self._pending.append(sample)
+        return True
+
+    def _start_prefetch(self) -> None:
+        """While this step trains, take the next step's samples, when the next step belongs to
+        the same sync window: the queue round trips (and any wait for a late sample) overlap
+        training instead of following it. Never across a sync: a sample taken before a sync
+        would be missing from the Rollouter's carry-over (its quota) and, in mode (a), would
+        come from the weights before the update. Not in colocated mode (it takes a whole window
+        at once)."""
+        if self.colocated or self.local_trigger_step + 1 >= self.trigger:
+            return
+        if self.global_step + 1 >= self.cfg.training.total_steps:
+            return
+        self._prefetch = asyncio.create_task(self._take_into_pending(self.required_samples))
+
+    async def _publish_step(self, step: int, m: dict[str, float]) -> None:
+        if self.on_metrics is not None:
+            await _maybe_await(self.on_metrics(step, m))
+        if self.on_step_end is not None:
+            self.on_step_end(step, m)
+
+    async def _published(self) -> None:
+        """Wait for the previous step's metrics to be reported (errors surface here)."""
+        if self._publish is not None:
+            task, self._publish = self._publish, None
+            await task
 
     async def _next_sample(self) -> Sample | None:
         """The next sample; None once the queue is closed or (with a checkpointer) a stop was
