@@ -58,6 +58,10 @@ class ChatTokenizer:
         self.template = template
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend = backend
+        self._encode_fast = getattr(backend, "encode_batch_fast", None)
+        """``tokenizers``' batch encoding without character offsets (which the proxy never reads):
+        the same ids, about a fifth less CPU than ``encode``; run on the calling thread for a
+        batch of one."""
         self.encode_s = 0.0
         """CPU time spent in the tokenizer's ``encode`` (all calls; for benchmarks)."""
         added = [str(t) for t in getattr(tokenizer, "added_tokens_encoder", {})]
@@ -126,7 +130,9 @@ class ChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         t0 = time.thread_time()
-        if self._backend is not None:
+        if self._encode_fast is not None:
+            ids = self._encode_fast([text], add_special_tokens=False)[0].ids
+        elif self._backend is not None:
             ids = self._backend.encode(text, add_special_tokens=False).ids
         else:
             ids = list(self.tokenizer.encode(text, add_special_tokens=False))
