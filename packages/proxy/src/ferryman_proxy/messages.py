@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ferryman_proxy._fast import loads
 from ferryman_proxy.errors import ProxyError, bad_request
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -64,7 +65,7 @@ def _arguments(value: Any, where: str) -> Any:
         return {}
     if isinstance(value, str):
         try:
-            parsed = json.loads(value) if value.strip() else {}
+            parsed = loads(value) if value.strip() else {}
         except ValueError:
             return value  # kept as given; a template that needs an object refuses it when rendering
         return parsed if isinstance(parsed, dict) else value
@@ -246,10 +247,18 @@ class KnownHistory:
 def normalize_messages(raw: list[Any], known: KnownHistory | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
     """Normalise every message and compute its :func:`message_key`; messages equal to the known
     raw message at the same index are taken from ``known`` (see :class:`KnownHistory`)."""
-    out: list[dict[str, Any]] = []
-    keys: list[Any] = []
     kraw = known.raw if known is not None else ()
     n_known = len(kraw)
+    if n_known and len(raw) >= n_known and raw[:n_known] == kraw:  # the usual case: one comparison
+        out = list(known.messages)  # type: ignore[union-attr]
+        keys = list(known.keys)  # type: ignore[union-attr]
+        for i in range(n_known, len(raw)):
+            norm = normalize_message(raw[i], i)
+            out.append(norm)
+            keys.append(message_key(norm))
+        return out, keys
+    out = []
+    keys = []
     for i, m in enumerate(raw):
         if i < n_known and kraw[i] == m:
             out.append(known.messages[i])  # type: ignore[union-attr]

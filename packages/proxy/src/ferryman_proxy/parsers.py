@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import orjson
+from ferryman_proxy._fast import dumps_arguments, loads, random_hex
 
 __all__ = ["ParsedOutput", "ToolCall", "ToolParser", "HermesParser", "Qwen3CoderParser", "NoToolParser", "get_parser"]
 
@@ -33,13 +32,13 @@ __all__ = ["ParsedOutput", "ToolCall", "ToolParser", "HermesParser", "Qwen3Coder
 class ToolCall:
     name: str
     arguments: dict[str, Any]
-    id: str = field(default_factory=lambda: f"call_{secrets.token_hex(12)}")
+    id: str = field(default_factory=lambda: f"call_{random_hex(24)}")
 
     def to_openai(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "type": "function",
-            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
+            "function": {"name": self.name, "arguments": dumps_arguments(self.arguments)},
         }
 
 
@@ -55,15 +54,6 @@ class ToolParser(Protocol):
     start_tag: str
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None) -> ParsedOutput: ...
-
-
-def _loads(text: str) -> Any:
-    """``json.loads``, through orjson when it can read the text (the same values, faster); the
-    standard library decides what orjson refuses (``NaN``, integers beyond 64 bits)."""
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return json.loads(text)
 
 
 def _plain(text: str, error: str | None = None) -> ParsedOutput:
@@ -116,7 +106,7 @@ class HermesParser(_TaggedParser):
 
     def _parse_call(self, body: str, tools: list[dict[str, Any]] | None) -> ToolCall:
         try:
-            obj = _loads(body)
+            obj = loads(body)
         except ValueError as e:
             raise ValueError(f"tool call is not JSON: {e}") from None
         if not isinstance(obj, dict):
@@ -127,7 +117,7 @@ class HermesParser(_TaggedParser):
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):
             try:
-                args = _loads(args)
+                args = loads(args)
             except ValueError:
                 raise ValueError("tool-call arguments are a string that is not JSON") from None
         if not isinstance(args, dict):

@@ -23,7 +23,6 @@ import json
 import logging
 import secrets
 import time
-import uuid
 from collections import deque
 from typing import Any
 
@@ -33,6 +32,7 @@ from aiohttp import web
 from ferryman.protocols import GenerateClient
 from ferryman.types import SamplingParams
 
+from ferryman_proxy._fast import loads, random_hex
 from ferryman_proxy.config import ProxyConfig
 from ferryman_proxy.errors import ProxyError, bad_request
 from ferryman_proxy.messages import parse_chat_request
@@ -212,8 +212,8 @@ class ProxyServer:
             raw = await request.read()
             t_body, c_body = time.perf_counter(), time.thread_time()
             try:
-                body = orjson.loads(raw)
-            except orjson.JSONDecodeError as e:
+                body = loads(raw)
+            except (ValueError, RecursionError) as e:
                 raise bad_request(f"the request body is not valid JSON: {e}") from None
             req = parse_chat_request(body, self.config.model_name, sess.known)
             turn = await sess.chat(req)
@@ -264,7 +264,7 @@ class ProxyServer:
             "logprobs": self._logprobs(turn),
         }
         out: dict[str, Any] = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "id": f"chatcmpl-{random_hex(32)}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.config.model_name,
@@ -279,7 +279,7 @@ class ProxyServer:
     async def _stream(self, request: web.Request, req: Any, turn: TurnResult, sess: Session) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.config.model_name
+        cid, created, model = f"chatcmpl-{random_hex(32)}", int(time.time()), self.config.model_name
 
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
             c: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": extra.pop("logprobs", None)}

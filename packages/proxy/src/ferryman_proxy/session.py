@@ -431,10 +431,11 @@ class Session:
         seg.model_wrote_end = wrote_end
         seg.messages = [*req.messages, answer]
         seg.keys = [*keys, message_key(answer)]
+        # the answer as sent: an agent that sends it back unchanged is not validated again
+        self.known = KnownHistory([*req.raw_messages, message], seg.messages, seg.keys, req.raw_tools, req.tools)
         seg.request_keys = keys
         seg.tools = req.tools
         seg.turns += 1
-        self.known = KnownHistory(req.raw_messages, req.messages, keys, req.raw_tools, req.tools)
 
         self.turns += 1
         c = self.counters

@@ -78,6 +78,41 @@ def _without_unicode_normalizer(backend: Any) -> Any:
         return None
 
 
+def _with_memoised_sandbox_checks(compiled: Any, template: str) -> Any:
+    """The template compiled again in a copy of its sandboxed environment whose attribute check
+    is memoised per (type, attribute name).
+
+    Jinja's sandbox decides whether a template may read ``obj.attr`` from ``type(obj)`` and the
+    name alone (``SandboxedEnvironment``: no ``_`` prefix, not an internal attribute of functions,
+    frames, …; ``ImmutableSandboxedEnvironment``: nor a mutating method of a list, dict or set),
+    and repeats that decision, a dozen ``isinstance`` checks, at every ``loop.first`` of every
+    render. The same decisions are kept, each made once. Only for those two environment classes
+    (another class may decide from the value); otherwise ``compiled`` is returned as is."""
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
+
+        env = compiled.environment
+        base = type(env)
+        if base not in (ImmutableSandboxedEnvironment, SandboxedEnvironment):
+            return compiled
+        check = base.is_safe_attribute
+        cache: dict[tuple[type, str], bool] = {}
+
+        def is_safe_attribute(self: Any, obj: Any, attr: str, value: Any) -> bool:
+            key = (type(obj), attr)
+            ok = cache.get(key)
+            if ok is None:
+                ok = cache[key] = bool(check(self, obj, attr, value))
+            return ok
+
+        memo = type(f"Memoised{base.__name__}", (base,), {"is_safe_attribute": is_safe_attribute})
+        copy = env.overlay()
+        copy.__class__ = memo
+        return copy.from_string(template)
+    except Exception:  # noqa: BLE001 - an optimisation only
+        return compiled
+
+
 class ChatTokenizer:
     def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
@@ -143,6 +178,8 @@ class ChatTokenizer:
             compiled = _compile_jinja_template(self.template)
         except Exception:  # noqa: BLE001 - a private API: without it, the public path is used
             compiled = None
+        if compiled is not None:
+            compiled = _with_memoised_sandbox_checks(compiled, self.template)
         if compiled is not None:
             slow = [self.render(m, t, g) for m, t in self._probes() for g in (False, True)]
             self._compiled = compiled
