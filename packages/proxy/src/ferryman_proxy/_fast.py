@@ -24,9 +24,20 @@ except ImportError:  # pragma: no cover - CPython always has it
     _C_ARGS_ENCODER = None
 
 
+_DIGITS = bytes(48 if 48 <= i <= 57 else 32 for i in range(256))  # digits -> "0", the rest -> " "
+_LONG_NUMBER = b"0" * 19
+
+
 def loads(text: str | bytes) -> Any:
-    """``json.loads``, through orjson when it can read the text (the same values, faster); the
-    standard library decides what orjson refuses (``NaN``, integers beyond 64 bits)."""
+    """``json.loads``, the same values, through orjson where it gives them (about 4x faster).
+
+    The standard library reads what orjson refuses (``NaN``, ``Infinity``) and any text with a
+    run of 19 or more digits: orjson reads an integer beyond 64 bits as a float, where
+    ``json.loads`` keeps it exact (a tool's schema or a call's arguments would render
+    differently). The scan is one ``bytes.translate``, cheap next to the parse."""
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    if _LONG_NUMBER in data.translate(_DIGITS):
+        return json.loads(text)
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError:

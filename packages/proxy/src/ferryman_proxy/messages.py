@@ -249,14 +249,17 @@ def normalize_messages(raw: list[Any], known: KnownHistory | None = None) -> tup
     raw message at the same index are taken from ``known`` (see :class:`KnownHistory`)."""
     kraw = known.raw if known is not None else ()
     n_known = len(kraw)
-    if n_known and len(raw) >= n_known and raw[:n_known] == kraw:  # the usual case: one comparison
-        out = list(known.messages)  # type: ignore[union-attr]
-        keys = list(known.keys)  # type: ignore[union-attr]
-        for i in range(n_known, len(raw)):
-            norm = normalize_message(raw[i], i)
-            out.append(norm)
-            keys.append(message_key(norm))
-        return out, keys
+    # the usual cases, one list comparison each: the agent resent everything it sent last time,
+    # and the answer as it got it or in its own form (a client library's fields added)
+    for n in (n_known, n_known - 1):
+        if n > 0 and len(raw) >= n and raw[:n] == kraw[:n]:
+            out = known.messages[:n]  # type: ignore[union-attr]
+            keys = known.keys[:n]  # type: ignore[union-attr]
+            for i in range(n, len(raw)):
+                norm = normalize_message(raw[i], i)
+                out.append(norm)
+                keys.append(message_key(norm))
+            return out, keys
     out = []
     keys = []
     for i, m in enumerate(raw):
