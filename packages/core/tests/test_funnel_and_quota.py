@@ -171,6 +171,9 @@ async def test_env_may_return_segments():
     samples = await queue.snapshot()
     assert len(samples) == 1 and samples[0].task_index == 0
     assert len(samples[0].trajectories) == 4, "2 runs x 2 segments"
+    run_ids = [t.run_id for t in samples[0].trajectories]
+    assert run_ids[0] == run_ids[1] != run_ids[2] == run_ids[3], "the segments of one run share its run_id"
+    assert run_ids[0] == samples[0].trajectories[0].request_id
     assert samples[0].dropped == 0
     assert r.total_failed_trajectories == 2 and r.total_dropped_samples == 1
 

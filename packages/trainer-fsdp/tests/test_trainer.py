@@ -188,6 +188,29 @@ def test_checkpoint_layers_beyond_the_model_is_an_error(make_trainer):
         FSDPTrainerConfig(checkpoint_layers=-1)
 
 
+def test_micro_batching_with_split_runs_does_not_change_the_update(make_trainer):
+    """Rows of one agent run (segments) count as one sequence in the seq-mean modes, also when
+    micro-batching puts them apart."""
+    algorithm = AlgorithmConfig(loss_agg_mode="seq-mean-token-mean", kl_coef=0.1, entropy_coeff=0.01)
+    common = dict(lr=1e-3, ppo_epochs=1, algorithm=algorithm)
+    tiny = make_trainer(micro_batch_max_tokens=8, **common)
+    huge = make_trainer(micro_batch_max_tokens=1 << 20, **common)
+    batch = fill_train_batch(huge, random_train_batch(VOCAB, num_groups=2, group_size=3, seed=4))
+    runs = torch.tensor([0, 0, 1, 2, 3, 3])  # in each group, two rows are segments of one run
+    row_tokens = batch.loss_mask.sum(-1)
+    run_tokens = torch.zeros(4).index_add_(0, runs, row_tokens)[runs]
+    batch = replace(batch, run_index=runs, run_tokens=run_tokens)
+    m_tiny = tiny.update_actor(batch)
+    m_huge = huge.update_actor(batch)
+    w_tiny, w_huge = collect_weights(tiny), collect_weights(huge)
+    for name in w_huge:
+        torch.testing.assert_close(w_tiny[name], w_huge[name], rtol=1e-4, atol=1e-5)
+    assert m_tiny["actor/pg_loss"] == pytest.approx(m_huge["actor/pg_loss"], rel=1e-4, abs=1e-6)
+    # and the runs matter: without them the loss is a mean over rows
+    plain = make_trainer(micro_batch_max_tokens=1 << 20, **common).update_actor(replace(batch, run_index=None, run_tokens=None))
+    assert plain["actor/pg_loss"] != pytest.approx(m_huge["actor/pg_loss"], rel=1e-3)
+
+
 def test_mini_batches_keep_groups_together():
     from ferryman_trainer_fsdp.trainer import _split_groups
 

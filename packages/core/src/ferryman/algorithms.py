@@ -113,7 +113,7 @@ def masked_whiten(
     return torch.where(m != 0, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, run_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` to a scalar.
 
     Modes:
@@ -127,6 +127,17 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Ten
 
     An all-zero mask gives 0 (still connected to the graph of ``loss_mat``).
 
+    ``run_tokens`` (``[B]``, optional): for the seq-mean modes, the masked tokens of each row's
+    whole agent run, when a run is split over several rows (segments, see
+    ``TrainBatch.run_tokens``). The unit averaged over is then the run, not the row: a run's
+    loss is the sum (``seq-mean-token-sum``) or the mean (``seq-mean-token-mean``) over all of
+    its rows' masked tokens, and each row counts as ``row tokens / run tokens`` of a unit, so
+    that the rows of a run add up to one. Written as ``sum_r c_r * sum_t l_rt / sum_r u_r``
+    (``c_r = 1`` or ``1 / run_tokens_r``, ``u_r = row tokens / run_tokens_r``), the result stays
+    exact when the rows of a run are split over micro-batches weighted by their units. With
+    ``run_tokens`` equal to each row's own token count this is the per-row formula.
+    ``token-mean`` ignores it (a generated token is in exactly one segment).
+
     Raises:
         ValueError: unknown ``mode``.
     """
@@ -136,6 +147,13 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Ten
     if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
         seq = masked_sum(loss_mat, m, dim=-1)
         count = m.sum(dim=-1)
+        if run_tokens is not None:
+            run = run_tokens.to(device=seq.device, dtype=seq.dtype).clamp_min(1e-8)
+            units = torch.where(count > 0, count / run, torch.zeros_like(count))
+            if mode == "seq-mean-token-mean":
+                seq = seq / run
+            total = units.sum()
+            return seq.sum() / torch.where(total > 0, total, torch.ones_like(total))
         if mode == "seq-mean-token-mean":
             seq = seq / count.clamp_min(1e-8)
         has_tokens = (count > 0).to(seq.dtype)
@@ -338,6 +356,7 @@ def compute_grpo_advantages(
     mask: torch.Tensor,
     norm_by_std: bool = True,
     eps: float = 1e-6,
+    run_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO outcome advantages: each score relative to the other rollouts of its group.
 
@@ -346,6 +365,11 @@ def compute_grpo_advantages(
     ``torch.std``); a group of size 1 gets advantage 0, and so does a group whose scores are all
     equal. ``group_index`` may hold any integer ids (they need not be contiguous).
 
+    ``run_index`` (``[B]``, optional): rows with the same id are segments of one agent run (see
+    ``TrainBatch.run_index``). The group statistics then count each run once, with the mean of
+    its rows' scores (segments carry the run's reward), and every segment gets its run's
+    advantage.
+
     Returns:
         ``[B, T]`` float: ``A_i`` on the row's ``mask == 1`` tokens, 0 elsewhere. Detached.
     """
@@ -353,6 +377,18 @@ def compute_grpo_advantages(
     B = s.shape[0]
     if B == 0:
         return torch.zeros(mask.shape, dtype=s.dtype, device=s.device)
+    if run_index is not None:
+        runs, row_run = torch.unique(run_index.to(s.device), return_inverse=True)
+        R = runs.shape[0]
+        if R < B:  # some rows share a run: one score per run, each run counted once
+            n = torch.zeros(R, dtype=s.dtype, device=s.device).index_add_(0, row_run, torch.ones_like(s))
+            run_score = torch.zeros(R, dtype=s.dtype, device=s.device).index_add_(0, row_run, s) / n
+            run_group = torch.zeros(R, dtype=group_index.dtype, device=group_index.device).index_copy_(0, row_run.to(group_index.device), group_index)
+            per_run = compute_grpo_advantages(run_score, run_group, torch.ones(R, 1, dtype=s.dtype, device=s.device), norm_by_std, eps)[:, 0]
+            adv = per_run[row_run]
+            m = _float_mask(mask, adv)
+            zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
+            return torch.where(m != 0, adv.unsqueeze(-1) * m, zero)
     _, inverse = torch.unique(group_index, return_inverse=True)
     G = int(inverse.max().item()) + 1
     def per_group_sum(x: torch.Tensor) -> torch.Tensor:
@@ -386,6 +422,7 @@ def ppo_policy_loss(
     clip_c: float = 3.0,
     agg: str = "token-mean",
     is_weights: torch.Tensor | None = None,
+    run_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped PPO surrogate with decoupled clip range and dual clip.
 
@@ -417,7 +454,7 @@ def ppo_policy_loss(
     loss_mat = torch.where(negative, torch.minimum(clipped, dual_bound), clipped)
     if is_weights is not None:
         loss_mat = loss_mat * is_weights.detach()
-    loss = agg_loss(loss_mat, mask, agg)
+    loss = agg_loss(loss_mat, mask, agg, run_tokens)
 
     with torch.no_grad():
         m = _float_mask(mask, log_ratio)
@@ -439,6 +476,7 @@ def value_loss(
     mask: torch.Tensor,
     clip: float = 0.5,
     agg: str = "token-mean",
+    run_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value-function loss (PPO)::
 
@@ -454,7 +492,7 @@ def value_loss(
     unclipped_sq = (values - R) ** 2
     clipped_sq = (v_clip - R) ** 2
     loss_mat = 0.5 * torch.maximum(unclipped_sq, clipped_sq)
-    loss = agg_loss(loss_mat, mask, agg)
+    loss = agg_loss(loss_mat, mask, agg, run_tokens)
     with torch.no_grad():
         frac = masked_mean((clipped_sq > unclipped_sq).to(loss_mat.dtype), mask)
     return loss, {"vf_clipfrac": float(frac.item())}

@@ -29,6 +29,8 @@ _PER_ROW = (
     "advantages",
     "returns",
     "is_weights",
+    "run_index",
+    "run_tokens",
 )
 
 
@@ -57,6 +59,14 @@ class TrainBatch:
     returns: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
     """[B, T] rollout importance-sampling weights (recompute path), detached."""
+    run_index: torch.Tensor | None = None
+    """[B] long, which agent run the row belongs to (unique across the batch). An env may
+    return one run as several segments (a black-box agent that rewrote its history); each is
+    a row, and rows with the same ``run_index`` count as one run: once in the GRPO group's
+    baseline, and once as a sequence in the seq-mean loss modes. ``None``: one run per row."""
+    run_tokens: torch.Tensor | None = None
+    """[B] float, masked (trained) tokens of the row's whole run, summed over its segments; for
+    the seq-mean loss modes (``algorithms.agg_loss``). ``None``: each row's own count."""
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -113,10 +123,15 @@ class TrainBatch:
 def build_train_batch(samples: list[Sample], pad_token_id: int) -> TrainBatch:
     """Pack the trajectories of ``samples`` (each a GRPO group) into a TrainBatch."""
     rows = []
+    runs: list[int] = []
+    run_ids: dict[tuple[int, str], int] = {}
     for g, sample in enumerate(samples):
         for traj in sample.trajectories:
             traj.validate()
             rows.append((g, traj))
+            # segments of one run share its run_id; a trajectory without one is a run of its own
+            key = (g, traj.run_id) if traj.run_id is not None else (g, f"\0row{len(rows)}")
+            runs.append(run_ids.setdefault(key, len(run_ids)))
     if not rows:
         raise ValueError("build_train_batch: no trajectories")
     width = max(len(t.prompt_ids) + len(t.response_ids) for _, t in rows)
@@ -139,6 +154,9 @@ def build_train_batch(samples: list[Sample], pad_token_id: int) -> TrainBatch:
         scores[r] = float(t.reward if t.reward is not None else 0.0)
         group[r] = g
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    run_index = torch.tensor(runs, dtype=torch.long)
+    row_tokens = loss_mask.sum(-1)
+    run_tokens = torch.zeros(len(run_ids), dtype=torch.float32).index_add_(0, run_index, row_tokens)[run_index]
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -148,4 +166,6 @@ def build_train_batch(samples: list[Sample], pad_token_id: int) -> TrainBatch:
         token_versions=versions,
         scores=scores,
         group_index=group,
+        run_index=run_index,
+        run_tokens=run_tokens,
     )

@@ -158,7 +158,8 @@ class Env(Protocol):
     ) -> Trajectory | list[Trajectory]:
         """Run the agent on ``task`` and return its scored trajectory (``reward`` set), or the
         run's segments in order (e.g. a black-box agent that rewrote its history part-way; each
-        segment carries the run's reward and becomes its own row in training).
+        segment carries the run's reward and becomes its own row in training, and the segments
+        count as one run: the Rollouter sets their ``run_id``, see ``TrainBatch.run_index``).
         Raise to signal a failed run; the Rollouter counts it and drops the trajectory."""
         ...
 

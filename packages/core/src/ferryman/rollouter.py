@@ -199,6 +199,8 @@ class Rollouter:
                 traj.validate()
                 if traj.reward is None:
                     raise ValueError(f"env returned trajectory {request_id} without a reward")
+            for traj in trajs:
+                traj.run_id = request_id  # segments of one run count as one run in training
             return trajs
         except asyncio.CancelledError:
             raise

@@ -293,7 +293,7 @@ class Trainer:
             batch.returns = ret
         else:
             batch.advantages = algo.compute_grpo_advantages(
-                batch.scores, batch.group_index, mask, norm_by_std=self.alg.grpo_norm_by_std
+                batch.scores, batch.group_index, mask, norm_by_std=self.alg.grpo_norm_by_std, run_index=batch.run_index
             )
         m["advantages/mean"] = float(algo.masked_mean(batch.advantages, mask))
         m["advantages/abs_mean"] = float(algo.masked_mean(batch.advantages.abs(), mask))

@@ -88,6 +88,10 @@ class Trajectory:
     num_aborts: int = 0
     stop_reason: str = "stop"
     extra: dict[str, Any] = field(default_factory=dict)
+    run_id: str | None = None
+    """The agent run this trajectory belongs to. Set by the Rollouter (the run's request id) on
+    every trajectory an ``Env.run`` returns; the segments of one run share it, and training
+    counts them as one run (``TrainBatch.run_index``)."""
 
     def append_model_tokens(self, out: TokenOutput) -> None:
         """Append a generation: mask 1, its log-probs and versions."""

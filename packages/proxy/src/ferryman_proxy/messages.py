@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ferryman_proxy._fast import loads
 from ferryman_proxy.errors import ProxyError, bad_request
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -64,7 +65,7 @@ def _arguments(value: Any, where: str) -> Any:
         return {}
     if isinstance(value, str):
         try:
-            parsed = json.loads(value) if value.strip() else {}
+            parsed = loads(value) if value.strip() else {}
         except ValueError:
             return value  # kept as given; a template that needs an object refuses it when rendering
         return parsed if isinstance(parsed, dict) else value
@@ -193,6 +194,9 @@ class ChatRequest:
     seed: int | None = None
     logprobs: bool = False
     return_token_ids: bool = False
+    keys: list[Any] = field(default_factory=list)
+    """:func:`message_key` of each message."""
+    raw_tools: Any = None
 
 
 def _number(body: dict[str, Any], key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
@@ -226,23 +230,52 @@ def _flag(body: dict[str, Any], key: str) -> bool:
     return v
 
 
-def normalize_messages(raw: list[Any], known: list[tuple[Any, dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
-    """Normalise every message; ``known`` holds ``(raw, normalised)`` pairs of an earlier
-    request of the session: a message equal to the raw one at the same index is not
-    re-validated (agents resend their whole history every turn)."""
+@dataclass
+class KnownHistory:
+    """What a session already validated: the raw messages of its last answered request, their
+    normalised forms and keys, and the raw and normalised tools. Agents resend their whole
+    history every turn; a message equal to the raw one at the same index, or tools equal to the
+    raw tools, are taken from here instead of being validated and normalised again."""
+
+    raw: list[Any] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    keys: list[Any] = field(default_factory=list)
+    raw_tools: Any = None
+    tools: list[dict[str, Any]] | None = None
+
+
+def normalize_messages(raw: list[Any], known: KnownHistory | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Normalise every message and compute its :func:`message_key`; messages equal to the known
+    raw message at the same index are taken from ``known`` (see :class:`KnownHistory`)."""
+    kraw = known.raw if known is not None else ()
+    n_known = len(kraw)
+    # the usual cases, one list comparison each: the agent resent everything it sent last time,
+    # and the answer as it got it or in its own form (a client library's fields added)
+    for n in (n_known, n_known - 1):
+        if n > 0 and len(raw) >= n and raw[:n] == kraw[:n]:
+            out = known.messages[:n]  # type: ignore[union-attr]
+            keys = known.keys[:n]  # type: ignore[union-attr]
+            for i in range(n, len(raw)):
+                norm = normalize_message(raw[i], i)
+                out.append(norm)
+                keys.append(message_key(norm))
+            return out, keys
     out = []
-    n_known = len(known) if known else 0
+    keys = []
     for i, m in enumerate(raw):
-        if i < n_known and known[i][0] == m:  # type: ignore[index]
-            out.append(known[i][1])  # type: ignore[index]
+        if i < n_known and kraw[i] == m:
+            out.append(known.messages[i])  # type: ignore[union-attr]
+            keys.append(known.keys[i])  # type: ignore[union-attr]
         else:
-            out.append(normalize_message(m, i))
-    return out
+            norm = normalize_message(m, i)
+            out.append(norm)
+            keys.append(message_key(norm))
+    return out, keys
 
 
-def parse_chat_request(body: Any, model_name: str, known: list[tuple[Any, dict[str, Any]]] | None = None) -> ChatRequest:
-    """Validate a ``/chat/completions`` body (already JSON-decoded); ``known`` as in
-    :func:`normalize_messages`."""
+def parse_chat_request(body: Any, model_name: str, known: KnownHistory | None = None) -> ChatRequest:
+    """Validate a ``/chat/completions`` body (already JSON-decoded); ``known``: what the session
+    already validated (:class:`KnownHistory`)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = body.get("model")
@@ -257,8 +290,12 @@ def parse_chat_request(body: Any, model_name: str, known: list[tuple[Any, dict[s
         raise bad_request("messages is required", param="messages")
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty list", param="messages")
-    messages = normalize_messages(raw, known)
-    tools = normalize_tools(body.get("tools"))
+    messages, keys = normalize_messages(raw, known)
+    raw_tools = body.get("tools")
+    if known is not None and raw_tools is not None and raw_tools == known.raw_tools:
+        tools = known.tools
+    else:
+        tools = normalize_tools(raw_tools)
 
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
@@ -345,4 +382,6 @@ def parse_chat_request(body: Any, model_name: str, known: list[tuple[Any, dict[s
         seed=seed,
         logprobs=logprobs,
         return_token_ids=_flag(body, "return_token_ids"),
+        keys=keys,
+        raw_tools=raw_tools,
     )

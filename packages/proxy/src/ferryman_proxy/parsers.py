@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from ferryman_proxy._fast import dumps_arguments, loads, random_hex
 
 __all__ = ["ParsedOutput", "ToolCall", "ToolParser", "HermesParser", "Qwen3CoderParser", "NoToolParser", "get_parser"]
 
@@ -31,13 +32,13 @@ __all__ = ["ParsedOutput", "ToolCall", "ToolParser", "HermesParser", "Qwen3Coder
 class ToolCall:
     name: str
     arguments: dict[str, Any]
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=lambda: f"call_{random_hex(24)}")
 
     def to_openai(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "type": "function",
-            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
+            "function": {"name": self.name, "arguments": dumps_arguments(self.arguments)},
         }
 
 
@@ -105,7 +106,7 @@ class HermesParser(_TaggedParser):
 
     def _parse_call(self, body: str, tools: list[dict[str, Any]] | None) -> ToolCall:
         try:
-            obj = json.loads(body)
+            obj = loads(body)
         except ValueError as e:
             raise ValueError(f"tool call is not JSON: {e}") from None
         if not isinstance(obj, dict):
@@ -116,7 +117,7 @@ class HermesParser(_TaggedParser):
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):
             try:
-                args = json.loads(args)
+                args = loads(args)
             except ValueError:
                 raise ValueError("tool-call arguments are a string that is not JSON") from None
         if not isinstance(args, dict):

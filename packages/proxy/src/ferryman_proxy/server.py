@@ -23,15 +23,16 @@ import json
 import logging
 import secrets
 import time
-import uuid
 from collections import deque
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from ferryman.protocols import GenerateClient
 from ferryman.types import SamplingParams
 
+from ferryman_proxy._fast import loads, random_hex
 from ferryman_proxy.config import ProxyConfig
 from ferryman_proxy.errors import ProxyError, bad_request
 from ferryman_proxy.messages import parse_chat_request
@@ -211,10 +212,10 @@ class ProxyServer:
             raw = await request.read()
             t_body, c_body = time.perf_counter(), time.thread_time()
             try:
-                body = json.loads(raw)
+                body = loads(raw)
             except (ValueError, RecursionError) as e:
                 raise bad_request(f"the request body is not valid JSON: {e}") from None
-            req = parse_chat_request(body, self.config.model_name, sess.known_raw)
+            req = parse_chat_request(body, self.config.model_name, sess.known)
             turn = await sess.chat(req)
         except ProxyError as e:
             if e.status >= 500:
@@ -232,7 +233,7 @@ class ProxyServer:
         if req.stream:
             resp = await self._stream(request, req, turn, sess)
         else:
-            resp = web.json_response(self._completion(req, turn, sess), dumps=_dumps)
+            resp = web.Response(body=_dumpb(self._completion(req, turn, sess)), content_type="application/json", charset="utf-8")
         self.overheads_s.append(time.perf_counter() - t_body - turn.engine_s)
         self.overhead_cpu_s.append(time.thread_time() - c_body - turn.engine_cpu_s)
         self.encode_times_s.append(turn.encode_s)
@@ -263,7 +264,7 @@ class ProxyServer:
             "logprobs": self._logprobs(turn),
         }
         out: dict[str, Any] = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "id": f"chatcmpl-{random_hex(32)}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.config.model_name,
@@ -278,14 +279,14 @@ class ProxyServer:
     async def _stream(self, request: web.Request, req: Any, turn: TurnResult, sess: Session) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.config.model_name
+        cid, created, model = f"chatcmpl-{random_hex(32)}", int(time.time()), self.config.model_name
 
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
             c: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": extra.pop("logprobs", None)}
             if "token_ids" in extra:
                 c["token_ids"] = extra.pop("token_ids")
             obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [c], **extra}
-            return b"data: " + _dumps(obj).encode() + b"\n\n"
+            return b"data: " + _dumpb(obj) + b"\n\n"
 
         first: dict[str, Any] = {}
         if req.return_token_ids:
@@ -316,12 +317,17 @@ class ProxyServer:
         parts.append(chunk({}, turn.finish_reason, **final_extra))
         if req.include_usage:
             usage = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": self._usage(turn)}
-            parts.append(b"data: " + _dumps(usage).encode() + b"\n\n")
+            parts.append(b"data: " + _dumpb(usage) + b"\n\n")
         parts.append(b"data: [DONE]\n\n")
         await resp.write(b"".join(parts))
         await resp.write_eof()
         return resp
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+def _dumpb(obj: Any) -> bytes:
+    """Compact UTF-8 JSON (orjson; the standard library for what orjson refuses, such as an
+    integer beyond 64 bits in a tool call's arguments)."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()

@@ -28,7 +28,7 @@ from ferryman.types import SamplingParams, TokenOutput, Trajectory
 
 from ferryman_proxy.config import ProxyConfig
 from ferryman_proxy.errors import ProxyError
-from ferryman_proxy.messages import ChatRequest, message_key, normalize_message
+from ferryman_proxy.messages import ChatRequest, KnownHistory, message_key
 from ferryman_proxy.parsers import ParsedOutput, ToolParser
 from ferryman_proxy.tokenization import ChatTokenizer, NotIncremental
 
@@ -139,11 +139,12 @@ class Session:
         self._done: list[_Segment] = []
         self._current: _Segment | None = None
         self.turns = 0
-        self.known_raw: list[tuple[Any, dict[str, Any]]] = []
-        """``(raw, normalised)`` messages of the last answered request, to skip re-validating
-        the history the agent sends again (see ``messages.normalize_messages``)."""
+        self.known = KnownHistory()
+        """The last answered request's messages and tools as received and as normalised, to
+        skip re-validating the history the agent sends again (``messages.KnownHistory``)."""
         self._consecutive_no_tool = 0
         self._last_prompt_len = 0
+        self._sampling_cache: tuple[SamplingParams, Any, SamplingParams] | None = None
         self.counters: dict[str, float] = {
             "turns": 0,
             "segments": 0,
@@ -253,6 +254,15 @@ class Session:
 
     # ------------------------------------------------------------------ a turn
     def _sampling(self, req: ChatRequest, budget: int) -> SamplingParams:
+        key = (req.temperature, req.top_p, req.max_tokens, budget, tuple(req.stop), req.seed)
+        cached = self._sampling_cache
+        if cached is not None and cached[0] is self.params and cached[1] == key:
+            return cached[2]  # agents send the same options every turn
+        params = self._make_sampling(req, budget)
+        self._sampling_cache = (self.params, key, params)
+        return params
+
+    def _make_sampling(self, req: ChatRequest, budget: int) -> SamplingParams:
         p = self.params
         if self._config.sampling_from == "request":
             temperature = p.temperature if req.temperature is None else req.temperature
@@ -285,7 +295,7 @@ class Session:
                 raise ProxyError(500, "the session has no generate client", type="server_error")
             t0, c0 = time.perf_counter(), time.thread_time()
             enc0 = self._ct.encode_s
-            keys = [message_key(m) for m in req.messages]
+            keys = req.keys if len(req.keys) == len(req.messages) else [message_key(m) for m in req.messages]
             plan = self._plan(req, keys)
             prompt = plan.prompt_ids
             budget = self.params.max_tokens
@@ -365,9 +375,14 @@ class Session:
         else:
             finish = "stop"
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        # the answer as normalize_message would make it of the message sent back (built directly,
+        # without writing the arguments as JSON and reading them again)
+        answer: dict[str, Any] = {"role": "assistant", "content": parsed.content or ""}
         if parsed.tool_calls:
             message["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
-        answer = normalize_message(message, 0)
+            answer["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.tool_calls
+            ]
 
         # ---- commit: from here on nothing can fail
         seg = self._current
@@ -416,10 +431,11 @@ class Session:
         seg.model_wrote_end = wrote_end
         seg.messages = [*req.messages, answer]
         seg.keys = [*keys, message_key(answer)]
+        # the answer as sent: an agent that sends it back unchanged is not validated again
+        self.known = KnownHistory([*req.raw_messages, message], seg.messages, seg.keys, req.raw_tools, req.tools)
         seg.request_keys = keys
         seg.tools = req.tools
         seg.turns += 1
-        self.known_raw = list(zip(req.raw_messages, req.messages))
 
         self.turns += 1
         c = self.counters

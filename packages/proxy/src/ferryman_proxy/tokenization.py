@@ -49,6 +49,70 @@ _PLACEHOLDER = "ferryman placeholder answer"
 _PLACEHOLDER_ANSWER: dict[str, Any] = {"role": "assistant", "content": _PLACEHOLDER}
 
 
+_UNICODE_FORMS = {"NFC", "NFD", "NFKC", "NFKD"}
+
+
+def _without_unicode_normalizer(backend: Any) -> Any:
+    """``encode_batch_fast`` of a copy of ``backend`` without its normalizer, or None when the
+    normalizer does anything besides Unicode normalisation (which is the identity on ASCII)."""
+    if backend is None or getattr(backend, "encode_batch_fast", None) is None:
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        spec = json.loads(backend.to_str()).get("normalizer")
+        if spec is None:
+            return None
+        parts = spec.get("normalizers", []) if spec.get("type") == "Sequence" else [spec]
+        if not all(isinstance(p, dict) and p.get("type") in _UNICODE_FORMS for p in parts):
+            return None
+        copy = Tokenizer.from_str(backend.to_str())
+        copy.normalizer = None
+        probe = "ferryman probe: <tool_call>\n{\"a\": [1, 2.5]}\n</tool_call>\tTabs  and   spaces\r\n~`!@#$%^&*()_+-=|;:',.<>/?"
+        for tok in list(getattr(backend, "get_added_tokens_decoder", dict)().values())[:8]:
+            probe += f" {tok.content} x{tok.content}y"
+        if copy.encode(probe, add_special_tokens=False).ids != backend.encode(probe, add_special_tokens=False).ids:
+            return None
+        return copy.encode_batch_fast
+    except Exception:  # noqa: BLE001 - an optimisation only
+        return None
+
+
+def _with_memoised_sandbox_checks(compiled: Any, template: str) -> Any:
+    """The template compiled again in a copy of its sandboxed environment whose attribute check
+    is memoised per (type, attribute name).
+
+    Jinja's sandbox decides whether a template may read ``obj.attr`` from ``type(obj)`` and the
+    name alone (``SandboxedEnvironment``: no ``_`` prefix, not an internal attribute of functions,
+    frames, …; ``ImmutableSandboxedEnvironment``: nor a mutating method of a list, dict or set),
+    and repeats that decision, a dozen ``isinstance`` checks, at every ``loop.first`` of every
+    render. The same decisions are kept, each made once. Only for those two environment classes
+    (another class may decide from the value); otherwise ``compiled`` is returned as is."""
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
+
+        env = compiled.environment
+        base = type(env)
+        if base not in (ImmutableSandboxedEnvironment, SandboxedEnvironment):
+            return compiled
+        check = base.is_safe_attribute
+        cache: dict[tuple[type, str], bool] = {}
+
+        def is_safe_attribute(self: Any, obj: Any, attr: str, value: Any) -> bool:
+            key = (type(obj), attr)
+            ok = cache.get(key)
+            if ok is None:
+                ok = cache[key] = bool(check(self, obj, attr, value))
+            return ok
+
+        memo = type(f"Memoised{base.__name__}", (base,), {"is_safe_attribute": is_safe_attribute})
+        copy = env.overlay()
+        copy.__class__ = memo
+        return copy.from_string(template)
+    except Exception:  # noqa: BLE001 - an optimisation only
+        return compiled
+
+
 class ChatTokenizer:
     def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
@@ -58,6 +122,13 @@ class ChatTokenizer:
         self.template = template
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend = backend
+        self._encode_fast = getattr(backend, "encode_batch_fast", None)
+        """``tokenizers``' batch encoding without character offsets (which the proxy never reads):
+        the same ids, about a fifth less CPU than ``encode``; run on the calling thread for a
+        batch of one."""
+        self._encode_ascii = _without_unicode_normalizer(backend)
+        """For ASCII text: the same tokenizer less its normalizer, when that normalizer is only
+        Unicode normal forms (NFC/NFD/NFKC/NFKD leave ASCII unchanged); checked on the probes."""
         self.encode_s = 0.0
         """CPU time spent in the tokenizer's ``encode`` (all calls; for benchmarks)."""
         added = [str(t) for t in getattr(tokenizer, "added_tokens_encoder", {})]
@@ -108,6 +179,8 @@ class ChatTokenizer:
         except Exception:  # noqa: BLE001 - a private API: without it, the public path is used
             compiled = None
         if compiled is not None:
+            compiled = _with_memoised_sandbox_checks(compiled, self.template)
+        if compiled is not None:
             slow = [self.render(m, t, g) for m, t in self._probes() for g in (False, True)]
             self._compiled = compiled
             try:
@@ -126,7 +199,11 @@ class ChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         t0 = time.thread_time()
-        if self._backend is not None:
+        if self._encode_ascii is not None and text.isascii():
+            ids = self._encode_ascii([text], add_special_tokens=False)[0].ids
+        elif self._encode_fast is not None:
+            ids = self._encode_fast([text], add_special_tokens=False)[0].ids
+        elif self._backend is not None:
             ids = self._backend.encode(text, add_special_tokens=False).ids
         else:
             ids = list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -246,6 +246,17 @@ def _clone_tree(obj: Any) -> Any:
     return obj
 
 
+def _seq_units(batch: TrainBatch) -> float:
+    """Sequence units of a (micro-)batch for the seq-mean loss modes, as
+    :func:`ferryman.algorithms.agg_loss` counts them: each row with a masked token is one unit,
+    or ``row tokens / run tokens`` of one when its run is split over several rows."""
+    count = batch.loss_mask.sum(-1).double()
+    if batch.run_tokens is None:
+        return float((count > 0).sum().item())
+    run = batch.run_tokens.double().clamp_min(1e-8)
+    return float(torch.where(count > 0, count / run, torch.zeros_like(count)).sum().item())
+
+
 def _split_groups(group_index: torch.Tensor, n: int) -> list[list[int]]:
     """Row indices of ``n`` mini-batches; rows of one group stay together, groups keep their
     order of first appearance and are spread as evenly as possible."""
@@ -535,7 +546,8 @@ class FSDPTrainerBackend:
         """Per local micro-batch ``(grad_weight, loss_share, token_share)``.
 
         ``loss_share`` is the micro-batch's share of the mini-batch's aggregation units (masked
-        tokens for token-mean; rows with at least one masked token for the seq-mean modes, as
+        tokens for token-mean; rows with at least one masked token for the seq-mean modes, a
+        segment of a split agent run as its share of the run's tokens, as
         :func:`ferryman.algorithms.agg_loss` counts them), so the sum of ``loss_share × micro
         loss`` equals the mini-batch loss. ``grad_weight = loss_share × world_size`` because
         FSDP averages gradients over ranks. ``token_share`` (share of masked tokens) weighs
@@ -545,7 +557,7 @@ class FSDPTrainerBackend:
         if token_mode:
             units = tokens
         else:
-            units = [float((mb.batch.loss_mask.sum(-1) > 0).sum().item()) if mb.real else 0.0 for mb in mbs]
+            units = [_seq_units(mb.batch) if mb.real else 0.0 for mb in mbs]
         totals = self._all_reduce(torch.tensor([sum(units), sum(tokens)], dtype=torch.float64))
         total_units, total_tokens = float(totals[0]), float(totals[1])
         out = []
@@ -610,6 +622,7 @@ class FSDPTrainerBackend:
                     lp = self._token_log_probs(logits, sub)
                     dev = lp.device
                     mask = sub.loss_mask.to(dev, torch.float32)
+                    run_tokens = None if sub.run_tokens is None else sub.run_tokens.to(dev, torch.float32)
                     pg_loss, pg_m = ppo_policy_loss(
                         lp,
                         sub.old_log_probs.to(dev, torch.float32),
@@ -620,20 +633,21 @@ class FSDPTrainerBackend:
                         clip_c=alg.clip_ratio_c,
                         agg=alg.loss_agg_mode,
                         is_weights=None if sub.is_weights is None else sub.is_weights.to(dev, torch.float32),
+                        run_tokens=run_tokens,
                     )
                     loss = pg_loss
                     if alg.entropy_coeff != 0:
                         ent = _shift_right(entropy_from_logits(logits[:, :-1]), sub.seq_len)
-                        ent_loss = agg_loss(ent, mask, alg.loss_agg_mode)
+                        ent_loss = agg_loss(ent, mask, alg.loss_agg_mode, run_tokens)
                     else:
                         ent = lean_entropy_from_logits(logits[:, :-1], self.config.log_prob_chunk_tokens)
-                        ent_loss = agg_loss(_shift_right(ent, sub.seq_len), mask, alg.loss_agg_mode).detach()
+                        ent_loss = agg_loss(_shift_right(ent, sub.seq_len), mask, alg.loss_agg_mode, run_tokens).detach()
                     if alg.entropy_coeff != 0:
                         loss = loss - alg.entropy_coeff * ent_loss
                     kl_value = 0.0
                     if use_kl:
                         kl = kl_penalty(lp, sub.ref_log_probs.to(dev, torch.float32), alg.kl_type)
-                        kl_loss = agg_loss(kl, mask, alg.loss_agg_mode)
+                        kl_loss = agg_loss(kl, mask, alg.loss_agg_mode, run_tokens)
                         loss = loss + alg.kl_coef * kl_loss
                         kl_value = float(kl_loss.detach().item())
                     (loss * w).backward()
@@ -685,6 +699,7 @@ class FSDPTrainerBackend:
                         sub.loss_mask.to(dev, torch.float32),
                         clip=alg.value_clip,
                         agg=alg.loss_agg_mode,
+                        run_tokens=None if sub.run_tokens is None else sub.run_tokens.to(dev, torch.float32),
                     )
                     (vf_loss * w).backward()
                     if mb.real:
