@@ -260,3 +260,23 @@ async def test_error_after_the_stream_opened_is_an_error_event(live, http):
     assert err["code"] == "session_not_found"
     assert server.counters["stream_errors"] == 1
     assert sess.result().trajectories == [], "an answer that was not delivered whole is not recorded"
+
+
+async def test_agent_that_hangs_up_mid_stream_still_gets_its_turn_recorded(live, http):
+    """As without streaming: the answer is recorded, so the agent's retry replaces it."""
+    server, engine = await live(["word " * 40, "word " * 40])
+    engine.step_s = 0.005
+    sess = server.open_session("h", SamplingParams(max_tokens=400))
+    msgs = [{"role": "user", "content": "go"}]
+    r = await http.post(sess.base_url + "/chat/completions", json={"model": "ferryman-policy", "stream": True, "messages": msgs})
+    await r.content.readuntil(b"\n\n")
+    r.close()  # hang up
+    for _ in range(400):
+        if sess.turns == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert sess.turns == 1 and len(sess.result().trajectories[0].response_ids) > 40
+    assert engine.progress and len(engine.progress) == sess.counters["completion_tokens"], "generated to the end"
+    chunks, _ = await sse(http, sess, {"messages": msgs})  # the retry
+    assert "".join(contents(chunks)) == "word " * 40 and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert sess.counters["retries"] == 1 and sess.turns == 2

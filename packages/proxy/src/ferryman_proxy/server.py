@@ -372,6 +372,17 @@ class ProxyServer:
         cid, created = f"chatcmpl-{random_hex(32)}", int(time.time())
         chunk = self._sse_chunker(cid, created, self.config.model_name)
         sent = 0  # characters of content sent
+        gone = False  # the agent closed the connection: stop writing, still finish (and record) the turn
+
+        async def write(data: bytes) -> None:
+            nonlocal gone
+            if gone:
+                return
+            try:
+                await resp.write(data)  # type: ignore[union-attr]
+            except ConnectionError:
+                gone = True
+
         try:
             while True:
                 if not arrived and not task.done():
@@ -397,19 +408,26 @@ class ProxyServer:
                     parts += [chunk({"content": p}) for p in self._pieces(decoder.text[sent:limit])]
                     sent = limit
                 if parts:
-                    await resp.write(b"".join(parts))
+                    await write(b"".join(parts))
         except BaseException:
-            task.cancel()  # the agent went away (or we failed): the turn is not recorded
+            task.cancel()  # the handler itself was cancelled or failed: the turn is not recorded
             raise
         try:
             turn = task.result()
-        except ProxyError as e:
+        except Exception as e:
             if resp is None:
-                raise  # counted by the handler
-            self._count_error(e, sess)
+                raise  # an HTTP error as usual (counted by the handler)
+            if isinstance(e, ProxyError):
+                self._count_error(e, sess)
+                body = e.body()
+            else:
+                log.exception("proxy: unhandled error in a live stream of session %s", sess.request_id)
+                self.counters["errors_5xx"] += 1
+                body = {"error": {"message": "internal proxy error", "type": "server_error", "param": None, "code": None}}
             self.counters["stream_errors"] += 1
-            await resp.write(b"data: " + _dumpb(e.body()) + b"\n\ndata: [DONE]\n\n")
-            await resp.write_eof()
+            await write(b"data: " + _dumpb(body) + b"\n\ndata: [DONE]\n\n")
+            if not gone:
+                await resp.write_eof()
             return resp
         self.counters["answered"] += 1
         content = turn.message.get("content") or ""
@@ -424,8 +442,9 @@ class ProxyServer:
             await resp.prepare(request)
             parts.append(chunk({"role": "assistant", "content": ""}, **self._prompt_extra(req, turn.prompt_ids)))
         parts += self._tail_parts(req, turn, chunk, cid, created, content[len(streamed) :] if content.startswith(streamed) else "", extras)
-        await resp.write(b"".join(parts))
-        await resp.write_eof()
+        await write(b"".join(parts))
+        if not gone:
+            await resp.write_eof()
         self._account(turn, t_body, c_body)
         return resp
 
