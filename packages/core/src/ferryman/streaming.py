@@ -56,6 +56,24 @@ def accepts_on_tokens(obj: Any) -> bool:
     return ok
 
 
+async def generate_to(client: Any, request_id: str, prompt_ids: list[int], params: Any, on_tokens: TokenSink | None) -> TokenOutput:
+    """``client.generate(...)``, streaming to ``on_tokens`` when given: through the client when it
+    takes ``on_tokens``, else the whole output once it returns."""
+    if on_tokens is None:
+        return await client.generate(request_id, prompt_ids, params)
+    if accepts_on_tokens(client):
+        return await client.generate(request_id, prompt_ids, params, on_tokens=on_tokens)
+    out = await client.generate(request_id, prompt_ids, params)
+    deliver(out, on_tokens)
+    return out
+
+
+def deliver(out: TokenOutput, on_tokens: TokenSink | None) -> None:
+    """Hand a whole output to ``on_tokens`` (nothing if it has no tokens)."""
+    if on_tokens is not None and out.token_ids:
+        on_tokens(TokenOutput(list(out.token_ids), list(out.log_probs), list(out.versions), routed_experts=out.routed_experts))
+
+
 def safe_sink(sink: TokenSink, where: str) -> TokenSink:
     """``sink`` that logs (once) and then ignores its own exceptions, so that a failing consumer
     never breaks the generation it watches."""
