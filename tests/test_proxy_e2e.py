@@ -3,10 +3,11 @@
 model served by the real transformers engine through core's ServerClient; and the trajectories
 the proxy collected train with the FSDP trainer backend.
 
-The tiny model is taught on the spot (a few dozen Adam steps, about 10 s of CPU) to answer
-"What is 2 plus 3?" with an ``add`` tool call and, after the tool's result, "The answer is 5." —
-in both chat templates (ChatML + hermes, and the qwen3_coder XML style) — so that greedy
-decoding exercises real tool calls through every client.
+The tiny model is taught on the spot (at most a few hundred Adam steps, about 10 s of CPU) to
+answer "What is 2 plus 3?" with "Let me add." and an ``add`` tool call and, after the tool's
+result, "The answer is 5." — in both chat templates (ChatML + hermes, and the qwen3_coder XML
+style) — so that greedy decoding exercises real tool calls, and content before them, through
+every client, streamed live and not.
 """
 
 from __future__ import annotations
