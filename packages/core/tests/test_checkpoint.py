@@ -18,7 +18,7 @@ from ferryman.client import ServerClient
 from ferryman.defaults.queue import MessageQueue
 from ferryman.defaults.router import LocalRouter
 from ferryman.engine_host import EngineHandle
-from ferryman.replay import RunRecorder
+from ferryman.replay import RunLog, RunRecorder
 from ferryman.rollouter import Rollouter
 from ferryman.testing.doubles import EchoEngine
 from ferryman.types import SamplingParams
@@ -173,6 +173,41 @@ async def test_recorder_replays_finished_calls_and_detects_divergence():
     await rec.generate("a", [1, 2, *first.token_ids, 8], params)  # a different prompt: diverged
     assert rec.diverged_runs == 1 and len(engine.calls) == calls + 1
     assert await rec.generate("b", [4], params) is not None  # not announced: passes through
+
+
+async def test_recorder_streams_live_replayed_and_resumed_calls():
+    """Through the recorder, ``on_tokens`` gets exactly each call's tokens: as the engine makes
+    them (live), at once (replayed), the recorded prefix first and then the rest (resumed)."""
+    from ferryman.replay import prompt_key
+    from ferryman.types import TokenOutput
+
+    engine = EchoEngine(step_delay_s=0.001)
+    client = ServerClient(LocalRouter(["r0"]), {"r0": EngineHandle("r0", engine=engine)}, partial_rollout=False)
+    rec = RunRecorder(client)
+    params = SamplingParams(max_tokens=6)
+
+    def joined(ds):
+        return [t for d in ds for t in d.token_ids], [v for d in ds for v in d.versions]
+
+    rec.begin("a")
+    live: list[TokenOutput] = []
+    first = await rec.generate("a", [1, 2], params, on_tokens=live.append)
+    assert len(live) == 6 and joined(live) == (first.token_ids, first.versions), "one token at a time from the engine"
+    log = rec.snapshot("a")
+    rec.end("a")
+
+    rec.begin("a", log)
+    replayed: list[TokenOutput] = []
+    again = await rec.generate("a", [1, 2], params, on_tokens=replayed.append)
+    assert joined(replayed) == (again.token_ids, again.versions) == (first.token_ids, first.versions)
+    rec.end("a")
+
+    cut = TokenOutput(first.token_ids[:2], first.log_probs[:2], first.versions[:2], "aborted")
+    rec.begin("a", RunLog(pending=prompt_key([1, 2]), partial=cut))
+    resumed: list[TokenOutput] = []
+    out = await rec.generate("a", [1, 2], params, on_tokens=resumed.append)
+    assert rec.resumed_calls == 1 and out.token_ids == first.token_ids
+    assert joined(resumed)[0] == out.token_ids and resumed[0].token_ids == first.token_ids[:2], "the prefix first, each token once"
 
 
 def _writer(tag: str):

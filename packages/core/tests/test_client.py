@@ -131,3 +131,113 @@ async def test_cancel_while_router_decides_does_not_leak_a_slot():
     await client.drain()
     assert router.decisions == 1
     assert router.in_flight["r0"] == 0, "the slot granted after the cancel was released"
+
+
+# ------------------------------------------------------------------ streaming (on_tokens)
+
+
+class _NoStream:
+    """EchoEngine seen through the plain protocol: ``generate`` without ``on_tokens``."""
+
+    def __init__(self, engine: EchoEngine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    async def generate(self, request_id, prompt_ids, params):
+        return await self._engine.generate(request_id, prompt_ids, params)
+
+
+class _DiesAfter:
+    """EchoEngine that streams ``n`` tokens and then fails, as a replica whose process died."""
+
+    def __init__(self, engine: EchoEngine, n: int) -> None:
+        self._engine, self.n = engine, n
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    async def generate(self, request_id, prompt_ids, params, *, on_tokens=None):
+        seen = []
+
+        def sink(delta):
+            if len(seen) < self.n:
+                seen.extend(delta.token_ids)
+                on_tokens(delta)
+
+        task = asyncio.ensure_future(self._engine.generate(request_id, prompt_ids, params, on_tokens=sink))
+        while len(seen) < self.n and not task.done():
+            await asyncio.sleep(0.001)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise RuntimeError("replica died")
+
+
+def _joined(deltas):
+    return ([t for d in deltas for t in d.token_ids], [x for d in deltas for x in d.log_probs], [v for d in deltas for v in d.versions])
+
+
+def _echo_expect(last: int, shifts: list[int]) -> list[int]:
+    out = []
+    for s in shifts:
+        last = (last + s) % 100
+        if last == 0:
+            last = 1
+        out.append(last)
+    return out
+
+
+@pytest.mark.parametrize("streams", [True, False], ids=["engine-streams", "engine-does-not"])
+async def test_on_tokens_delivers_each_token_once_across_an_abort_resume(streams):
+    raw = {"r0": EchoEngine(step_delay_s=0.01)}
+    engines = {"r0": EngineHandle("r0", engine=raw["r0"] if streams else _NoStream(raw["r0"]))}
+    client = ServerClient(LocalRouter(["r0"]), engines, partial_rollout=True)
+    deltas, arrivals = [], []
+
+    def on_tokens(d):
+        deltas.append(d)
+        arrivals.append(len(d.token_ids))
+
+    task = asyncio.ensure_future(client.generate("s-1", [10, 11], SamplingParams(max_tokens=30), on_tokens=on_tokens))
+    await asyncio.sleep(0.055)
+    streamed_before_abort = sum(arrivals)
+    e = raw["r0"]
+    await e.pause(abort=True)
+    await e.load_weights([("shift", __import__("torch").tensor([2.0]))])
+    await e.set_version(1)
+    await e.resume()
+    out = await asyncio.wait_for(task, 10)
+
+    assert out.num_aborts == 1 and len(out.token_ids) == 30
+    ids, lps, vers = _joined(deltas)
+    assert (ids, lps, vers) == (out.token_ids, out.log_probs, out.versions), "streamed pieces == final output, each token once"
+    if streams:
+        assert streamed_before_abort >= 2, "tokens arrive while the engine generates"
+        assert max(arrivals) == 1
+    else:
+        assert streamed_before_abort == 0 and arrivals == [out.versions.index(1), 30 - out.versions.index(1)], "one delivery per piece"
+
+
+async def test_on_tokens_survives_a_replica_that_dies_after_streaming():
+    a, b = EchoEngine(step_delay_s=0.005), EchoEngine(step_delay_s=0.005)
+    engines = {"r0": EngineHandle("r0", engine=_DiesAfter(a, 4)), "r1": EngineHandle("r1", engine=b)}
+    router = LocalRouter(["r0", "r1"])
+    client = ServerClient(router, engines, partial_rollout=False)
+    deltas = []
+    out = await asyncio.wait_for(client.generate("s-2", [10, 11], SamplingParams(max_tokens=12), on_tokens=deltas.append), 10)
+    assert _joined(deltas)[0] == out.token_ids == _echo_expect(11, [1] * 12), "the 4 tokens streamed by the dead replica are kept, not sent again"
+    assert out.stop_reason == "length" and client.num_failovers == 1
+    assert [c[1] for c in b.calls] == [[10, 11] + out.token_ids[:4]], "the other replica resumed after the streamed tokens"
+
+
+async def test_a_failing_on_tokens_callback_does_not_break_generation():
+    client, raw, _ = _client(n=1, partial=False, delay=0.0)
+    calls = []
+
+    def bad(d):
+        calls.append(d)
+        raise RuntimeError("consumer bug")
+
+    out = await client.generate("s-3", [10, 11], SamplingParams(max_tokens=5), on_tokens=bad)
+    assert out.token_ids == _echo_expect(11, [1] * 5) and len(calls) == 1

@@ -423,3 +423,38 @@ def test_hooks_import_is_light_and_registers_hf():
         "assert 'transformers' not in sys.modules, 'registering imported transformers'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ----------------------------------------------------------------------------- streaming (on_tokens)
+
+
+async def test_on_tokens_streams_each_token_during_generation_and_across_abort(model_dir, ref_model, prompts):
+    from ferryman.client import ServerClient
+    from ferryman.defaults.router import LocalRouter
+    from ferryman.engine_host import EngineHandle
+
+    prompt = prompts[0]
+    full = reference(ref_model, prompt, 24, stop=())
+    async with running(model_dir, step_delay_s=0.01) as engine:
+        # directly: one delivery per step, before the generation returns
+        arrivals: list[tuple[float, TokenOutput]] = []
+        out = await engine.generate("direct", prompt, greedy(8, stop_token_ids=[]), on_tokens=lambda d: arrivals.append((time.monotonic(), d)))
+        done = time.monotonic()
+        assert [t for _, d in arrivals for t in d.token_ids] == out.token_ids
+        assert [x for _, d in arrivals for x in d.log_probs] == out.log_probs
+        assert len(arrivals) == len(out.token_ids) and done - arrivals[0][0] >= 0.05, "the first token came long before the end"
+
+        # through core's client with a partial-rollout abort in the middle: each token once
+        client = ServerClient(LocalRouter(["e"]), {"e": EngineHandle("e", engine=engine)}, partial_rollout=True)
+        deltas: list[TokenOutput] = []
+        task = asyncio.ensure_future(client.generate("abort-me", prompt, greedy(24, stop_token_ids=[]), on_tokens=deltas.append))
+        await wait_for_tokens(engine, len(out.token_ids) + 5)
+        await engine.pause(abort=True)
+        await engine.set_version(3)
+        await engine.resume()
+        merged = await asyncio.wait_for(task, 60)
+        assert merged.num_aborts == 1 and 3 in merged.versions and merged.versions[0] == 0
+        assert [t for d in deltas for t in d.token_ids] == merged.token_ids
+        assert [x for d in deltas for x in d.log_probs] == merged.log_probs
+        assert [v for d in deltas for v in d.versions] == merged.versions
+        assert_matches_reference(merged, full)

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from ferryman.protocols import Engine, NamedTensors
+from ferryman.streaming import TokenSink, accepts_on_tokens
 from ferryman.types import SamplingParams, TokenOutput
 
 
@@ -159,8 +160,16 @@ class EngineHandle:
     async def start(self) -> None:
         await self._call("start")
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> TokenOutput:
-        out = await self._call("generate", request_id, prompt_ids, params)
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, on_tokens: TokenSink | None = None
+    ) -> TokenOutput:
+        """``on_tokens`` (:mod:`ferryman.streaming`) reaches a local engine that can stream; a
+        Ray actor's tokens are not streamed across the actor boundary (the caller gets the
+        whole piece when it returns)."""
+        if on_tokens is not None and self._actor is None and accepts_on_tokens(self._engine):
+            out = await self._engine.generate(request_id, prompt_ids, params, on_tokens=on_tokens)  # type: ignore[union-attr]
+        else:
+            out = await self._call("generate", request_id, prompt_ids, params)
         out.replica = self.name
         return out
 

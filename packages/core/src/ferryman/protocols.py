@@ -38,7 +38,10 @@ class Engine(Protocol):
         """Generate a continuation. Returns ``stop_reason`` ``"stop"`` (EOS or a stop token,
         which is included), ``"length"`` (budget used) or ``"aborted"`` (``pause(abort=True)``
         was called while it ran; the tokens produced so far are returned). A call that arrives
-        while the engine is paused waits for ``resume()``."""
+        while the engine is paused waits for ``resume()``.
+
+        Optional: an engine that can stream also accepts a keyword ``on_tokens`` and delivers
+        tokens through it as it makes them (:mod:`ferryman.streaming`)."""
         ...
 
     async def pause(self, abort: bool) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ferryman.faults import ahit
+from ferryman.streaming import deliver, generate_to, safe_sink
 from ferryman.types import Sample, SamplingParams, TokenOutput, Trajectory
 
 
@@ -139,10 +140,16 @@ class RunRecorder:
     def end(self, request_id: str) -> None:
         self.runs.pop(request_id, None)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> TokenOutput:
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, on_tokens: Any = None
+    ) -> TokenOutput:
+        """``on_tokens`` (:mod:`ferryman.streaming`): the call's tokens as they come (a replayed
+        call's at once, a resumed call's recorded prefix first)."""
+        if on_tokens is not None:
+            on_tokens = safe_sink(on_tokens, f"recorded generate {request_id}")
         live = self.runs.get(request_id)
         if live is None:
-            return await self.client.generate(request_id, prompt_ids, params)
+            return await generate_to(self.client, request_id, prompt_ids, params, on_tokens)
         await ahit("rollout.generate")
         key = prompt_key(prompt_ids)
         prefix: TokenOutput | None = None
@@ -154,7 +161,9 @@ class RunRecorder:
                     live.replay = None
                 live.log.calls.append(record)
                 self.replayed_calls += 1
-                return copy_output(record.output)
+                out = copy_output(record.output)
+                deliver(out, on_tokens)
+                return out
             if not rep.calls and rep.pending == key:
                 prefix = rep.partial if rep.partial is not None and rep.partial.token_ids else None
             elif rep.calls or rep.pending is not None:
@@ -163,7 +172,7 @@ class RunRecorder:
         live.log.pending = key
         live.prefix = prefix
         try:
-            out = await self._live_call(request_id, prompt_ids, params, prefix)
+            out = await self._live_call(request_id, prompt_ids, params, prefix, on_tokens)
         finally:
             in_progress = getattr(self.client, "in_progress", None)
             if isinstance(in_progress, dict):
@@ -178,15 +187,18 @@ class RunRecorder:
         return out
 
     async def _live_call(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefix: TokenOutput | None
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefix: TokenOutput | None, on_tokens: Any = None
     ) -> TokenOutput:
         if prefix is None:
-            return await self.client.generate(request_id, prompt_ids, params)
+            return await generate_to(self.client, request_id, prompt_ids, params, on_tokens)
         budget = params.max_tokens - len(prefix.token_ids)
         if budget <= 0:
-            return replace(copy_output(prefix), stop_reason="length")
+            out = replace(copy_output(prefix), stop_reason="length")
+            deliver(out, on_tokens)
+            return out
         self.resumed_calls += 1
-        out = await self.client.generate(request_id, list(prompt_ids) + prefix.token_ids, params.replace(max_tokens=budget))
+        deliver(prefix, on_tokens)
+        out = await generate_to(self.client, request_id, list(prompt_ids) + prefix.token_ids, params.replace(max_tokens=budget), on_tokens)
         merged = concat_outputs(prefix, out)
         merged.num_aborts += 1  # the cut interrupted this generation once
         return merged

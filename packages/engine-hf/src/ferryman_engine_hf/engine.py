@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from ferryman.config import PluginConfig
+from ferryman.streaming import safe_sink
 from ferryman.types import SamplingParams, StopReason, TokenOutput
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,6 +105,8 @@ class _Request:
     """A prefix-cache hit to start from: (cached KV, tokens to reuse)."""
     cached_prompt_tokens: int = 0
     done: bool = False
+    on_tokens: Any = None
+    """``ferryman.streaming`` sink: each sampled token is delivered as the step ends."""
 
 
 @dataclass
@@ -247,8 +250,11 @@ class HFEngine:
             torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> TokenOutput:
-        """Generate a continuation of ``prompt_ids``; see :class:`ferryman.protocols.Engine`."""
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, on_tokens: Any = None
+    ) -> TokenOutput:
+        """Generate a continuation of ``prompt_ids``; see :class:`ferryman.protocols.Engine`.
+        ``on_tokens`` (optional, :mod:`ferryman.streaming`) receives each token as its step ends."""
         self._validate(prompt_ids, params)
         if not self._started:
             raise RuntimeError("HFEngine.generate: call `await engine.start()` first")
@@ -273,6 +279,7 @@ class HFEngine:
             future=asyncio.get_running_loop().create_future(),
             stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
             max_tokens=budget,
+            on_tokens=safe_sink(on_tokens, f"HFEngine {self.replica} {request_id}") if on_tokens is not None else None,
         )
         if params.seed is not None and params.temperature > 0:
             import torch
@@ -391,6 +398,8 @@ class HFEngine:
                     req.log_probs.append(log_prob)
                     req.versions.append(version)
                     self._generated += 1
+                    if req.on_tokens is not None:
+                        req.on_tokens(TokenOutput(token_ids=[token], log_probs=[log_prob], versions=[version]))
                     if token in req.stop_ids:
                         self._finish(req, "stop")
                     elif len(req.tokens) >= req.max_tokens:

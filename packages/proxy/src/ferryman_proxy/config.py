@@ -57,6 +57,10 @@ class ProxyConfig(Strict):
     system's temporary directory."""
     stream_chunk_chars: int = Field(64, ge=1)
     """Streaming answers send the content in pieces of at most this many characters."""
+    live_streaming: bool = True
+    """Stream an answer while the engine generates it (when the generate client takes
+    ``on_tokens``, as core's ``ServerClient`` does). ``False``: the stream is sent once the
+    answer is complete."""
 
     @field_validator("host")
     @classmethod

@@ -55,6 +55,20 @@ class ToolParser(Protocol):
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None) -> ParsedOutput: ...
 
+    def stream_limit(self, text: str) -> int:
+        """How much of ``text`` (the answer so far) is certainly the start of the ``content``
+        that ``parse`` will give for the whole answer, whatever the model writes next: text
+        that could begin a tool call (or be trimmed before one) is held back."""
+        ...
+
+
+def partial_suffix(text: str, word: str) -> int:
+    """The length of the longest proper prefix of ``word`` that ``text`` ends with."""
+    for k in range(min(len(word) - 1, len(text)), 0, -1):
+        if text.endswith(word[:k]):
+            return k
+    return 0
+
 
 def _plain(text: str, error: str | None = None) -> ParsedOutput:
     return ParsedOutput(content=text if text else None, error=error)
@@ -94,6 +108,17 @@ class _TaggedParser:
     def _content(self, head: str) -> str | None:
         raise NotImplementedError
 
+    def stream_limit(self, text: str) -> int:
+        first = text.find(self.start_tag)
+        # a parsed call makes the content the head (trimmed); a malformed one the whole text,
+        # of which the trimmed head is a prefix too. With no tag yet, a tag may still start
+        # where the text ends with the beginning of one.
+        head = text[:first] if first >= 0 else text[: len(text) - partial_suffix(text, self.start_tag)]
+        return self._head_limit(head)
+
+    def _head_limit(self, head: str) -> int:
+        raise NotImplementedError
+
     def _parse_call(self, body: str, tools: list[dict[str, Any]] | None) -> ToolCall:
         raise NotImplementedError
 
@@ -103,6 +128,9 @@ class HermesParser(_TaggedParser):
         if head.endswith("\n"):
             head = head[:-1]
         return head or None
+
+    def _head_limit(self, head: str) -> int:
+        return len(head) - 1 if head.endswith("\n") else len(head)
 
     def _parse_call(self, body: str, tools: list[dict[str, Any]] | None) -> ToolCall:
         try:
@@ -154,6 +182,11 @@ class Qwen3CoderParser(_TaggedParser):
     def _content(self, head: str) -> str | None:
         return head.strip() or None
 
+    def _head_limit(self, head: str) -> int:
+        if head[:1].isspace():
+            return 0  # stripped if a call follows, kept if none does: known only at the end
+        return len(head.rstrip())
+
     def _parse_call(self, body: str, tools: list[dict[str, Any]] | None) -> ToolCall:
         m = _FUNCTION_RE.match(body)
         if m is None:
@@ -187,6 +220,9 @@ class NoToolParser:
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None) -> ParsedOutput:
         return _plain(text)
+
+    def stream_limit(self, text: str) -> int:
+        return len(text)
 
 
 PARSERS: dict[str, type] = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser, "none": NoToolParser}

@@ -11,14 +11,23 @@ extensions: with ``"return_token_ids": true`` the response carries ``prompt_toke
 whole prompt of this turn) and the choice ``token_ids`` (the tokens the model produced);
 ``"logprobs": true`` gives ``choices[0].logprobs.content[i].logprob`` for each of those tokens.
 
-A streamed answer (``"stream": true``) is sent as server-sent events once generation is done:
-a role chunk, the content in pieces, the tool calls, a final chunk with ``finish_reason``, a
-usage chunk if ``stream_options.include_usage``, and ``data: [DONE]``. (The engine protocol
-returns whole generations, so the stream does not start before the answer is complete.)
+A streamed answer (``"stream": true``) is sent as server-sent events: a role chunk, the content
+in pieces, the tool calls, a final chunk with ``finish_reason``, a usage chunk if
+``stream_options.include_usage``, and ``data: [DONE]``. When the generate client takes
+``on_tokens`` (core's ``ServerClient`` does; see :mod:`ferryman.streaming`) the stream is live:
+it opens with the first generated token and sends the content as it is decoded, holding back
+whatever could still turn out to be a tool call or a stop string
+(:mod:`ferryman_proxy.streaming`); the held-back rest, the tool calls and the vLLM-style
+extras (``prompt_token_ids``, ``token_ids``, ``logprobs``) follow once the answer is complete,
+so the streamed content always adds up to the non-streamed answer's ``content``. An engine
+that cannot stream gives its tokens when it is done, and so does a client without
+``on_tokens`` (then the whole stream is written at once, as before). An error after the stream
+opened is sent as a ``data: {"error": {...}}`` event before ``data: [DONE]``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -30,7 +39,8 @@ import orjson
 from aiohttp import web
 
 from ferryman.protocols import GenerateClient
-from ferryman.types import SamplingParams
+from ferryman.streaming import accepts_on_tokens
+from ferryman.types import SamplingParams, TokenOutput
 
 from ferryman_proxy._fast import loads, random_hex
 from ferryman_proxy.config import ProxyConfig
@@ -38,6 +48,7 @@ from ferryman_proxy.errors import ProxyError, bad_request
 from ferryman_proxy.messages import parse_chat_request
 from ferryman_proxy.parsers import get_parser
 from ferryman_proxy.session import Session, SessionResult, TurnResult
+from ferryman_proxy.streaming import IncrementalDecoder, content_limit
 from ferryman_proxy.templates import resolve_template
 from ferryman_proxy.tokenization import ChatTokenizer
 
@@ -102,7 +113,8 @@ class ProxyServer:
         competing for the CPU), less the thread's CPU time while awaiting the engine."""
         self.encode_times_s: deque[float] = deque(maxlen=100_000)
         """Per answered request, the CPU time of the tokenizer's ``encode`` within the overhead."""
-        self.counters: dict[str, int] = {"requests": 0, "answered": 0, "errors_4xx": 0, "errors_5xx": 0, "sessions_opened": 0}
+        self.counters: dict[str, int] = {"requests": 0, "answered": 0, "errors_4xx": 0, "errors_5xx": 0, "sessions_opened": 0,
+                                        "live_streams": 0, "stream_errors": 0, "stream_mismatches": 0}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -216,14 +228,11 @@ class ProxyServer:
             except (ValueError, RecursionError) as e:
                 raise bad_request(f"the request body is not valid JSON: {e}") from None
             req = parse_chat_request(body, self.config.model_name, sess.known)
+            if req.stream and self.config.live_streaming and sess.client is not None and accepts_on_tokens(sess.client):
+                return await self._stream_live(request, req, sess, t_body, c_body)
             turn = await sess.chat(req)
         except ProxyError as e:
-            if e.status >= 500:
-                self.counters["errors_5xx"] += 1
-            else:
-                self.counters["errors_4xx"] += 1
-                if sess is not None and e.status == 400 and e.code not in ("session_ended", "context_length_exceeded"):
-                    sess.counters["bad_requests"] += 1
+            self._count_error(e, sess)
             raise
         except web.HTTPException as e:
             if e.status >= 400:
@@ -234,10 +243,21 @@ class ProxyServer:
             resp = await self._stream(request, req, turn, sess)
         else:
             resp = web.Response(body=_dumpb(self._completion(req, turn, sess)), content_type="application/json", charset="utf-8")
+        self._account(turn, t_body, c_body)
+        return resp
+
+    def _count_error(self, e: ProxyError, sess: Session | None) -> None:
+        if e.status >= 500:
+            self.counters["errors_5xx"] += 1
+        else:
+            self.counters["errors_4xx"] += 1
+            if sess is not None and e.status == 400 and e.code not in ("session_ended", "context_length_exceeded"):
+                sess.counters["bad_requests"] += 1
+
+    def _account(self, turn: TurnResult, t_body: float, c_body: float) -> None:
         self.overheads_s.append(time.perf_counter() - t_body - turn.engine_s)
         self.overhead_cpu_s.append(time.thread_time() - c_body - turn.engine_cpu_s)
         self.encode_times_s.append(turn.encode_s)
-        return resp
 
     # ------------------------------------------------------------------ answer formats
     @staticmethod
@@ -276,11 +296,8 @@ class ProxyServer:
             out["prompt_token_ids"] = turn.prompt_ids
         return out
 
-    async def _stream(self, request: web.Request, req: Any, turn: TurnResult, sess: Session) -> web.StreamResponse:
-        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        cid, created, model = f"chatcmpl-{random_hex(32)}", int(time.time()), self.config.model_name
-
+    @staticmethod
+    def _sse_chunker(cid: str, created: int, model: str) -> Any:
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
             c: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": extra.pop("logprobs", None)}
             if "token_ids" in extra:
@@ -288,39 +305,147 @@ class ProxyServer:
             obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [c], **extra}
             return b"data: " + _dumpb(obj) + b"\n\n"
 
-        first: dict[str, Any] = {}
-        if req.return_token_ids:
-            first["prompt_token_ids"] = turn.prompt_ids
-        parts = [chunk({"role": "assistant", "content": ""}, **first)]
-        content = turn.message.get("content") or ""
+        return chunk
+
+    def _pieces(self, text: str) -> list[str]:
         step = self.config.stream_chunk_chars
-        pieces = [content[i : i + step] for i in range(0, len(content), step)]
-        for i, piece in enumerate(pieces):
-            extra: dict[str, Any] = {}
-            if i == 0:
-                extra["logprobs"] = self._logprobs(turn)
-                if req.return_token_ids:
-                    extra["token_ids"] = turn.completion_ids
-            parts.append(chunk({"content": piece}, **extra))
+        return [text[i : i + step] for i in range(0, len(text), step)]
+
+    def _tail_parts(self, req: Any, turn: TurnResult, chunk: Any, cid: str, created: int, content: str, extras: dict[str, Any]) -> list[bytes]:
+        """The stream from the content still to send on: ``content`` in pieces, the tool calls,
+        the final chunk, the usage chunk, ``[DONE]``. ``extras`` (log-probs, token ids, …) go on
+        the first of these chunks."""
+        parts = []
+        pieces = self._pieces(content)
+        pending = dict(extras)
+        for piece in pieces:
+            parts.append(chunk({"content": piece}, **pending))
+            pending = {}
         for i, call in enumerate(turn.message.get("tool_calls") or ()):
-            extra = {}
-            if not pieces and i == 0:
-                extra["logprobs"] = self._logprobs(turn)
-                if req.return_token_ids:
-                    extra["token_ids"] = turn.completion_ids
-            parts.append(chunk({"tool_calls": [{"index": i, **call}]}, **extra))
-        final_extra: dict[str, Any] = {}
-        if not pieces and not turn.message.get("tool_calls"):
-            final_extra["logprobs"] = self._logprobs(turn)
-            if req.return_token_ids:
-                final_extra["token_ids"] = turn.completion_ids
-        parts.append(chunk({}, turn.finish_reason, **final_extra))
+            parts.append(chunk({"tool_calls": [{"index": i, **call}]}, **pending))
+            pending = {}
+        parts.append(chunk({}, turn.finish_reason, **pending))
         if req.include_usage:
-            usage = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": self._usage(turn)}
+            usage = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.config.model_name, "choices": [], "usage": self._usage(turn)}
             parts.append(b"data: " + _dumpb(usage) + b"\n\n")
         parts.append(b"data: [DONE]\n\n")
+        return parts
+
+    @staticmethod
+    def _prompt_extra(req: Any, prompt_ids: list[int]) -> dict[str, Any]:
+        return {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
+
+    def _answer_extras(self, req: Any, turn: TurnResult) -> dict[str, Any]:
+        extras: dict[str, Any] = {"logprobs": self._logprobs(turn)}
+        if req.return_token_ids:
+            extras["token_ids"] = turn.completion_ids
+        return extras
+
+    async def _stream(self, request: web.Request, req: Any, turn: TurnResult, sess: Session) -> web.StreamResponse:
+        """The whole stream at once, from a finished answer."""
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        cid, created = f"chatcmpl-{random_hex(32)}", int(time.time())
+        chunk = self._sse_chunker(cid, created, self.config.model_name)
+        parts = [chunk({"role": "assistant", "content": ""}, **self._prompt_extra(req, turn.prompt_ids))]
+        parts += self._tail_parts(req, turn, chunk, cid, created, turn.message.get("content") or "", self._answer_extras(req, turn))
         await resp.write(b"".join(parts))
         await resp.write_eof()
+        return resp
+
+    async def _stream_live(self, request: web.Request, req: Any, sess: Session, t_body: float, c_body: float) -> web.StreamResponse:
+        """Stream while the engine generates. Errors before the first token are HTTP errors
+        (raised); after it, an ``error`` event ends the stream."""
+        ct = self.chat_tokenizer
+        decoder = IncrementalDecoder(ct.decode, frozenset(ct.stop_token_ids))
+        parser = None if req.tool_choice == "none" else self.parser
+        arrived: list[int] = []
+        wake = asyncio.Event()
+        prompt: list[list[int]] = []
+
+        def on_tokens(delta: TokenOutput) -> None:
+            arrived.extend(delta.token_ids)
+            wake.set()
+
+        task = asyncio.ensure_future(sess.chat(req, on_tokens=on_tokens, on_prompt=prompt.append))
+        resp: web.StreamResponse | None = None
+        cid, created = f"chatcmpl-{random_hex(32)}", int(time.time())
+        chunk = self._sse_chunker(cid, created, self.config.model_name)
+        sent = 0  # characters of content sent
+        gone = False  # the agent closed the connection: stop writing, still finish (and record) the turn
+
+        async def write(data: bytes) -> None:
+            nonlocal gone
+            if gone:
+                return
+            try:
+                await resp.write(data)  # type: ignore[union-attr]
+            except ConnectionError:
+                gone = True
+
+        try:
+            while True:
+                if not arrived and not task.done():
+                    waiter = asyncio.ensure_future(wake.wait())
+                    try:
+                        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        waiter.cancel()
+                wake.clear()
+                if task.done():
+                    break  # the rest comes from the finished answer
+                ids = arrived[:]
+                arrived.clear()
+                decoder.feed(ids)
+                limit = content_limit(decoder.text, parser, req.stop)
+                parts = []
+                if resp is None:
+                    resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                    await resp.prepare(request)
+                    self.counters["live_streams"] += 1
+                    parts.append(chunk({"role": "assistant", "content": ""}, **self._prompt_extra(req, prompt[0])))
+                if limit > sent:
+                    parts += [chunk({"content": p}) for p in self._pieces(decoder.text[sent:limit])]
+                    sent = limit
+                if parts:
+                    await write(b"".join(parts))
+        except BaseException:
+            task.cancel()  # the handler itself was cancelled or failed: the turn is not recorded
+            raise
+        try:
+            turn = task.result()
+        except Exception as e:
+            if resp is None:
+                raise  # an HTTP error as usual (counted by the handler)
+            if isinstance(e, ProxyError):
+                self._count_error(e, sess)
+                body = e.body()
+            else:
+                log.exception("proxy: unhandled error in a live stream of session %s", sess.request_id)
+                self.counters["errors_5xx"] += 1
+                body = {"error": {"message": "internal proxy error", "type": "server_error", "param": None, "code": None}}
+            self.counters["stream_errors"] += 1
+            await write(b"data: " + _dumpb(body) + b"\n\ndata: [DONE]\n\n")
+            if not gone:
+                await resp.write_eof()
+            return resp
+        self.counters["answered"] += 1
+        content = turn.message.get("content") or ""
+        streamed = decoder.text[:sent]
+        if not content.startswith(streamed):  # pragma: no cover - a tokenizer whose decoding is not prefix-stable
+            self.counters["stream_mismatches"] += 1
+            log.warning("proxy: session %s: streamed content %r is not a prefix of the answer's content", sess.request_id, streamed[-40:])
+        extras = self._answer_extras(req, turn)
+        parts = []
+        if resp is None:
+            resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            parts.append(chunk({"role": "assistant", "content": ""}, **self._prompt_extra(req, turn.prompt_ids)))
+        parts += self._tail_parts(req, turn, chunk, cid, created, content[len(streamed) :] if content.startswith(streamed) else "", extras)
+        await write(b"".join(parts))
+        if not gone:
+            await resp.write_eof()
+        self._account(turn, t_body, c_body)
         return resp
 
 

@@ -18,6 +18,7 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -284,7 +285,16 @@ class Session:
             seed=req.seed if req.seed is not None else p.seed,
         )
 
-    async def chat(self, req: ChatRequest) -> TurnResult:
+    async def chat(
+        self,
+        req: ChatRequest,
+        *,
+        on_tokens: Callable[[TokenOutput], None] | None = None,
+        on_prompt: Callable[[list[int]], None] | None = None,
+    ) -> TurnResult:
+        """Answer one request. ``on_tokens``: given to the generate client (which must accept it)
+        to receive the tokens as they are generated; ``on_prompt``: called with the turn's
+        prompt ids just before generation starts. Neither changes what is recorded."""
         async with self._lock:
             self._refuse_if_ended()
             limit = self._config.max_turns
@@ -311,8 +321,13 @@ class Session:
             self.counters["tokenize_cpu_s"] += time.thread_time() - c0
             encode_s = self._ct.encode_s - enc0
             t_engine, c_engine = time.perf_counter(), time.thread_time()
+            if on_prompt is not None:
+                on_prompt(prompt)
             try:
-                out = await self.client.generate(self.request_id, prompt, params)
+                if on_tokens is not None:
+                    out = await self.client.generate(self.request_id, prompt, params, on_tokens=on_tokens)  # type: ignore[call-arg]
+                else:
+                    out = await self.client.generate(self.request_id, prompt, params)
             except ValueError as e:
                 self.counters["engine_errors"] += 1
                 raise ProxyError(400, f"the engine refused the request: {e}") from None

@@ -48,7 +48,10 @@ class EchoEngine:
     async def start(self) -> None:
         self.started = True
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> TokenOutput:
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, on_tokens: Any = None
+    ) -> TokenOutput:
+        """``on_tokens`` (optional, :mod:`ferryman.streaming`) receives each token as it is made."""
         if not prompt_ids:
             raise ValueError("EchoEngine.generate: empty prompt_ids")
         if params.max_tokens < 1:
@@ -82,6 +85,8 @@ class EchoEngine:
                 out.log_probs.append(-1.0 - shift)
                 out.versions.append(self.version)
                 self.generated += 1
+                if on_tokens is not None:
+                    on_tokens(TokenOutput([tok], [-1.0 - shift], [self.version]))
                 last = tok
                 if tok == self.eos_id or tok in params.stop_token_ids:
                     out.stop_reason = "stop"

@@ -153,6 +153,24 @@ class EngineContract:
         out = await engine.generate("contract-set-version", list(prompt_ids), _greedy(5))
         assert out.versions == [version + 7] * len(out.token_ids)
 
+    # ------------------------------------------------------------------ streaming (optional)
+    async def test_streamed_tokens_are_the_output(self, engine, prompt_ids):
+        """An engine that takes ``on_tokens`` (``ferryman.streaming``) delivers a prefix of its
+        output, in order, with the same log-probs and versions; skipped for engines without it."""
+        from ferryman.streaming import accepts_on_tokens
+
+        if not accepts_on_tokens(engine):
+            pytest.skip("the engine does not stream (optional)")
+        got: list[TokenOutput] = []
+        out = await engine.generate("contract-stream", list(prompt_ids), _greedy(12), on_tokens=got.append)
+        _check_finished(out, 12)
+        ids = [t for d in got for t in d.token_ids]
+        n = len(ids)
+        assert got and n > 0, "a streaming engine delivered nothing"
+        assert ids == out.token_ids[:n], "streamed tokens are not the output's"
+        assert [x for d in got for x in d.log_probs] == out.log_probs[:n]
+        assert [v for d in got for v in d.versions] == out.versions[:n]
+
     # ------------------------------------------------------------------ pause / abort
     async def test_abort_returns_tokens_so_far(self, engine, prompt_ids):
         started = time.perf_counter()
