@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from ferryman.config import PluginConfig
+from ferryman.engine_checks import check_generate_request, check_named_tensors
 from ferryman.streaming import safe_sink
 from ferryman.types import SamplingParams, StopReason, TokenOutput
 
@@ -299,27 +300,9 @@ class HFEngine:
             raise
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValueError("HFEngine.generate: prompt_ids is empty; give at least one token id")
-        if params.max_tokens < 1:
-            raise ValueError(f"HFEngine.generate: max_tokens must be >= 1, got {params.max_tokens}")
-        if params.temperature < 0:
-            raise ValueError(f"HFEngine.generate: temperature must be >= 0, got {params.temperature}")
-        if not 0 < params.top_p <= 1:
-            raise ValueError(f"HFEngine.generate: top_p must be in (0, 1], got {params.top_p}")
-        if params.top_k == 0 or params.top_k < -1:
-            raise ValueError(f"HFEngine.generate: top_k must be -1 (off) or >= 1, got {params.top_k}")
-        if self.vocab_size:
-            bad = [t for t in prompt_ids if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"HFEngine.generate: prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}"
-                )
-        if self.max_context is not None and len(prompt_ids) >= self.max_context:
-            raise ValueError(
-                f"HFEngine.generate: prompt of {len(prompt_ids)} tokens leaves no room in the model's "
-                f"context of {self.max_context} positions"
-            )
+        check_generate_request(
+            "HFEngine.generate", prompt_ids, params, vocab_size=self.vocab_size, max_context=self.max_context
+        )
 
     def _finish(self, req: _Request, reason: StopReason) -> None:
         if req.done:
@@ -650,31 +633,11 @@ class HFEngine:
         import torch
 
         assert self._step_lock is not None
-        items = list(named_tensors)
         targets = dict(self.model.state_dict(keep_vars=True))
-        plan: list[tuple[Any, Any]] = []
-        problems: list[str] = []
-        for item in items:
-            try:
-                name, tensor = item
-            except (TypeError, ValueError):
-                problems.append(f"not a (name, tensor) pair: {item!r:.80}")
-                continue
-            if not isinstance(tensor, torch.Tensor):
-                problems.append(f"{name}: not a torch.Tensor ({type(tensor).__name__})")
-                continue
-            target_name = _resolve_name(str(name), targets)
-            if target_name is None:
-                problems.append(f"{name}: unknown parameter")
-                continue
-            target = targets[target_name]
-            if tuple(target.shape) != tuple(tensor.shape):
-                problems.append(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
-                continue
-            plan.append((target, tensor))
-        if problems:
-            shown = "; ".join(problems[:10]) + (f"; ... ({len(problems)} problems)" if len(problems) > 10 else "")
-            raise ValueError(f"HFEngine.load_weights: nothing loaded: {shown}")
+        checked = check_named_tensors(
+            list(named_tensors), {k: tuple(v.shape) for k, v in targets.items()}, who="HFEngine.load_weights"
+        )
+        plan = [(targets[name], tensor) for name, tensor in checked]
 
         def copy() -> None:
             with torch.no_grad():
@@ -711,16 +674,6 @@ class HFEngine:
     def _require_started(self, what: str) -> None:
         if not self._started or self.model is None:
             raise RuntimeError(f"HFEngine.{what}: call `await engine.start()` first")
-
-
-def _resolve_name(name: str, targets: dict[str, Any]) -> str | None:
-    if name in targets:
-        return name
-    if f"model.{name}" in targets:
-        return f"model.{name}"
-    if name.startswith("model.") and name[len("model.") :] in targets:
-        return name[len("model.") :]
-    return None
 
 
 def _cache_tensors(cache: Any) -> KV:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ferryman.engine_checks import check_generate_request
 from ferryman.types import SamplingParams, StopReason, TokenOutput
 from ferryman_engine_vllm.config import VLLMEngineConfig
 from ferryman_engine_vllm.cores import Delta, OnDelta, OnError, ProcessCore, ThreadCore
@@ -204,28 +205,12 @@ class VLLMEngine:
             raise
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValueError("VLLMEngine.generate: prompt_ids is empty; give at least one token id")
-        if params.max_tokens < 1:
-            raise ValueError(f"VLLMEngine.generate: max_tokens must be >= 1, got {params.max_tokens}")
-        if params.temperature < 0:
-            raise ValueError(f"VLLMEngine.generate: temperature must be >= 0, got {params.temperature}")
-        if not 0 < params.top_p <= 1:
-            raise ValueError(f"VLLMEngine.generate: top_p must be in (0, 1], got {params.top_p}")
-        if params.top_k == 0 or params.top_k < -1:
-            raise ValueError(f"VLLMEngine.generate: top_k must be -1 (off) or >= 1, got {params.top_k}")
-        if self.vocab_size:
-            bad = [t for t in prompt_ids if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise ValueError(f"VLLMEngine.generate: prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        check_generate_request(
+            "VLLMEngine.generate", prompt_ids, params, vocab_size=self.vocab_size, max_context=self.max_context
+        )
         bad_stop = [t for t in params.stop_token_ids if int(t) < 0]
         if bad_stop:
             raise ValueError(f"VLLMEngine.generate: negative stop token ids {bad_stop[:5]}")
-        if self.max_context is not None and len(prompt_ids) >= self.max_context:
-            raise ValueError(
-                f"VLLMEngine.generate: prompt of {len(prompt_ids)} tokens leaves no room in the context of "
-                f"{self.max_context} positions"
-            )
 
     def _on_delta(self, rid: str, delta: Delta) -> None:
         req = self._requests.get(rid)

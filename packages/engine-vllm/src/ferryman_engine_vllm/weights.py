@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ferryman.engine_checks import check_named_tensors
+
 
 @dataclass(frozen=True)
 class CheckpointSpec:
@@ -61,53 +63,14 @@ def read_checkpoint_spec(model_path: str | Path) -> CheckpointSpec:
     )
 
 
-def resolve_name(name: str, shapes: dict[str, tuple[int, ...]]) -> str | None:
-    """The checkpoint name for ``name``; the leading ``model.`` may be missing or extra."""
-    if name in shapes:
-        return name
-    if f"model.{name}" in shapes:
-        return f"model.{name}"
-    if name.startswith("model.") and name[len("model.") :] in shapes:
-        return name[len("model.") :]
-    return None
-
-
 def check_bucket(named_tensors: Any, spec: CheckpointSpec) -> list[tuple[str, Any]]:
     """Validate a bucket; return it as ``(checkpoint name, tensor)`` pairs.
 
     Raises ValueError listing every problem (not a pair, not a tensor, unknown name, wrong
     shape, not floating point) when anything is wrong.
     """
-    import torch
-
-    out: list[tuple[str, Any]] = []
-    problems: list[str] = []
     try:
         items = list(named_tensors)
     except TypeError:
         raise ValueError(f"load_weights: expected a list of (name, tensor) pairs, got {type(named_tensors).__name__}") from None
-    for item in items:
-        try:
-            name, tensor = item
-        except (TypeError, ValueError):
-            problems.append(f"not a (name, tensor) pair: {item!r:.80}")
-            continue
-        if not isinstance(tensor, torch.Tensor):
-            problems.append(f"{name}: not a torch.Tensor ({type(tensor).__name__})")
-            continue
-        target = resolve_name(str(name), spec.shapes)
-        if target is None:
-            problems.append(f"{name}: unknown parameter")
-            continue
-        expected = spec.shapes[target]
-        if tuple(tensor.shape) != expected:
-            problems.append(f"{name}: shape {tuple(tensor.shape)} != expected {expected}")
-            continue
-        if not tensor.is_floating_point():
-            problems.append(f"{name}: dtype {tensor.dtype} is not floating point")
-            continue
-        out.append((target, tensor))
-    if problems:
-        shown = "; ".join(problems[:10]) + (f"; ... ({len(problems)} problems)" if len(problems) > 10 else "")
-        raise ValueError(f"load_weights: nothing loaded: {shown}")
-    return out
+    return check_named_tensors(items, spec.shapes, who="load_weights", require_float=True)
