@@ -44,6 +44,15 @@ def loads(text: str | bytes) -> Any:
         return json.loads(text)
 
 
+def dumpb(obj: Any) -> bytes:
+    """Compact UTF-8 JSON (orjson; the standard library for what orjson refuses, such as an
+    integer beyond 64 bits in a tool call's arguments)."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def dumps_arguments(obj: Any) -> str:
     """``json.dumps(obj, ensure_ascii=False)`` without building an encoder per call."""
     if _C_ARGS_ENCODER is not None and isinstance(obj, dict):

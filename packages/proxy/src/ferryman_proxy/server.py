@@ -28,21 +28,19 @@ opened is sent as a ``data: {"error": {...}}`` event before ``data: [DONE]``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
 from collections import deque
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from ferryman.protocols import GenerateClient
 from ferryman.streaming import accepts_on_tokens
 from ferryman.types import SamplingParams, TokenOutput
 
-from ferryman_proxy._fast import loads, random_hex
+from ferryman_proxy._fast import dumpb, loads, random_hex
 from ferryman_proxy.config import ProxyConfig
 from ferryman_proxy.errors import ProxyError, bad_request
 from ferryman_proxy.messages import parse_chat_request
@@ -242,7 +240,7 @@ class ProxyServer:
         if req.stream:
             resp = await self._stream(request, req, turn, sess)
         else:
-            resp = web.Response(body=_dumpb(self._completion(req, turn, sess)), content_type="application/json", charset="utf-8")
+            resp = web.Response(body=dumpb(self._completion(req, turn, sess)), content_type="application/json", charset="utf-8")
         self._account(turn, t_body, c_body)
         return resp
 
@@ -303,7 +301,7 @@ class ProxyServer:
             if "token_ids" in extra:
                 c["token_ids"] = extra.pop("token_ids")
             obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [c], **extra}
-            return b"data: " + _dumpb(obj) + b"\n\n"
+            return b"data: " + dumpb(obj) + b"\n\n"
 
         return chunk
 
@@ -327,7 +325,7 @@ class ProxyServer:
         parts.append(chunk({}, turn.finish_reason, **pending))
         if req.include_usage:
             usage = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.config.model_name, "choices": [], "usage": self._usage(turn)}
-            parts.append(b"data: " + _dumpb(usage) + b"\n\n")
+            parts.append(b"data: " + dumpb(usage) + b"\n\n")
         parts.append(b"data: [DONE]\n\n")
         return parts
 
@@ -425,7 +423,7 @@ class ProxyServer:
                 self.counters["errors_5xx"] += 1
                 body = {"error": {"message": "internal proxy error", "type": "server_error", "param": None, "code": None}}
             self.counters["stream_errors"] += 1
-            await write(b"data: " + _dumpb(body) + b"\n\ndata: [DONE]\n\n")
+            await write(b"data: " + dumpb(body) + b"\n\ndata: [DONE]\n\n")
             if not gone:
                 await resp.write_eof()
             return resp
@@ -447,12 +445,3 @@ class ProxyServer:
             await resp.write_eof()
         self._account(turn, t_body, c_body)
         return resp
-
-
-def _dumpb(obj: Any) -> bytes:
-    """Compact UTF-8 JSON (orjson; the standard library for what orjson refuses, such as an
-    integer beyond 64 bits in a tool call's arguments)."""
-    try:
-        return orjson.dumps(obj)
-    except TypeError:
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
