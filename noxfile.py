@@ -22,6 +22,7 @@ PACKAGES = {
     "router": "packages/router",
     "sync_nccl": "packages/sync-nccl",
     "proxy": "packages/proxy",
+    "engine_sglang": "packages/engine-sglang",
 }
 EXTRAS = {"proxy": "[test]"}
 """Extras a package's own tests need (installed with it in its session and in integration)."""

@@ -1,4 +1,4 @@
-"""Generation throughput of the vllm engine and the transformers (hf) engine, one GPU, one run.
+"""Generation throughput of the vllm, sglang and transformers (hf) engines, one GPU, one run.
 
 Both engines serve the same random model with the shape of Qwen2.5-1.5B (28 layers, hidden
 1536, 12 heads / 2 KV heads, vocab 151936, bf16; built here, nothing downloaded) and the same
@@ -7,11 +7,17 @@ once through the engines' ``generate()``, each sampling ``--max-tokens`` tokens 
 (random weights almost never produce EOS, so every request runs its whole budget). Reported per
 engine: start time, wall time of the batch, generated tokens/s, and the ratio.
 
+``sglang-raw`` is SGLang's own ``Engine.async_generate`` on the same prompts, all in one batch
+call (token ids in, ``return_logprob`` on, as ferryman asks), with the same server arguments as
+the ``sglang`` row: the ratio sglang / sglang-raw is the wrapper's cost.
+
     python bench/engine.py --out /tmp/bench-engine.json
     python bench/engine.py --engines vllm --num-prompts 256
+    python bench/engine.py --engines sglang,sglang-raw,hf
 
-Needs a CUDA GPU, vLLM 0.24 and the ferryman packages importable (installed, or on PYTHONPATH:
-packages/core/src, packages/engine-hf/src, packages/engine-vllm/src).
+Needs a CUDA GPU, vLLM 0.24 (vllm rows) or SGLang 0.5.11-0.5.17 (sglang rows) and the ferryman
+packages importable (installed, or on PYTHONPATH: packages/core/src, packages/engine-hf/src,
+packages/engine-vllm/src, packages/engine-sglang/src).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for sub in ("core", "engine-hf", "engine-vllm"):
+for sub in ("core", "engine-hf", "engine-vllm", "engine-sglang"):
     src = str(ROOT / "packages" / sub / "src")
     if src not in sys.path:
         sys.path.append(src)
@@ -99,6 +105,46 @@ async def run_engine(name: str, engine, prompts: list[list[int]], max_tokens: in
     }
 
 
+def sglang_config(args: argparse.Namespace):
+    from ferryman_engine_sglang import SGLangEngineConfig
+
+    return SGLangEngineConfig(
+        dtype="bfloat16",
+        mem_fraction_static=args.gpu_memory_utilization,
+        context_length=args.prompt_len + args.max_tokens + 16,
+        max_running_requests=max(256, args.num_prompts),
+        cuda_graph=not args.enforce_eager,
+        memory_saver=False,
+    )
+
+
+async def run_sglang_raw(prompts: list[list[int]], max_tokens: int, args: argparse.Namespace, model_dir: Path) -> dict:
+    """SGLang's own Engine on the same prompts: one batched async_generate call."""
+    from ferryman_engine_sglang.api import load_sglang
+
+    api = load_sglang()
+    kwargs = sglang_config(args).engine_kwargs(model_path=str(model_dir), seed=0)
+    t0 = time.perf_counter()
+    engine = await asyncio.to_thread(api.engine_cls, **kwargs)
+    started = time.perf_counter() - t0
+    sp = {"max_new_tokens": max_tokens, "temperature": 1.0, "no_stop_trim": True, "skip_special_tokens": False}
+    await engine.async_generate(input_ids=prompts[:8], sampling_params={**sp, "max_new_tokens": 8}, return_logprob=True)
+    t1 = time.perf_counter()
+    outs = await engine.async_generate(input_ids=prompts, sampling_params=sp, return_logprob=True, logprob_start_len=-1)
+    wall = time.perf_counter() - t1
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    await asyncio.to_thread(engine.shutdown)
+    return {
+        "engine": "sglang-raw",
+        "start_s": round(started, 1),
+        "wall_s": round(wall, 3),
+        "generated_tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 1),
+        "finished_by_length": sum(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs),
+        "steps": None,
+    }
+
+
 def free_gpu() -> None:
     import torch
 
@@ -131,13 +177,23 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
                 enforce_eager=args.enforce_eager,
             )
             engine = make_vllm_engine(cfg, model_path=str(model_dir), replica="bench-vllm", seed=0)
+        elif name == "sglang":
+            from ferryman_engine_sglang import make_sglang_engine
+
+            engine = make_sglang_engine(sglang_config(args), model_path=str(model_dir), replica="bench-sglang", seed=0)
+        elif name == "sglang-raw":
+            res = await run_sglang_raw(prompts, args.max_tokens, args, model_dir)
+            free_gpu()
+            print(json.dumps(res), flush=True)
+            results.append(res)
+            continue
         elif name == "hf":
             from ferryman_engine_hf.engine import HFEngineConfig, make_hf_engine
 
             cfg = HFEngineConfig(device="cuda", dtype="bfloat16", max_batch_size=args.num_prompts, prefix_cache=False)
             engine = make_hf_engine(cfg, model_path=str(model_dir), replica="bench-hf", seed=0)
         else:
-            raise SystemExit(f"unknown engine {name!r} (vllm, hf)")
+            raise SystemExit(f"unknown engine {name!r} (vllm, sglang, sglang-raw, hf)")
         res = await run_engine(name, engine, prompts, args.max_tokens)
         del engine
         free_gpu()
@@ -167,6 +223,10 @@ def main() -> None:
         print(f"| {r['engine']} | {r['start_s']} | {r['wall_s']} | {r['generated_tokens']} | {r['tokens_per_s']} |")
     if "vllm" in by and "hf" in by:
         print(f"\nvllm / hf tokens/s: {by['vllm']['tokens_per_s'] / by['hf']['tokens_per_s']:.1f}x")
+    if "sglang" in by and "sglang-raw" in by:
+        print(f"sglang / sglang-raw tokens/s: {by['sglang']['tokens_per_s'] / by['sglang-raw']['tokens_per_s']:.3f}x")
+    if "sglang" in by and "hf" in by:
+        print(f"sglang / hf tokens/s: {by['sglang']['tokens_per_s'] / by['hf']['tokens_per_s']:.1f}x")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
 

@@ -1,0 +1,387 @@
+"""The sglang engine over real SGLang on a GPU (marked ``gpu``; never run in CI).
+
+Run on a machine with an NVIDIA GPU and SGLang 0.5.11-0.5.17 installed (see
+``tools/gpu_tests.sh``)::
+
+    pytest -m gpu packages/engine-sglang/tests/test_gpu.py
+
+One engine is started for the whole module (an SGLang start takes many seconds); tests leave
+it resumed, at its own weights, in ``abort`` pause mode.
+
+The model is a tiny random Qwen2 built on the spot, in float32, served with SGLang's Triton
+attention and PyTorch sampling backends (no FlashInfer JIT needed; override with
+``FERRYMAN_SGLANG_TEST_ATTENTION``). SGLang against itself (batched vs alone, before vs after an
+abort) agrees to ``ATOL``; against a plain transformers forward loop on the same GPU the greedy
+tokens are equal and log-probs differ by up to about 1e-2 (other kernels on fp32 weights whose
+random logits are large), hence ``REF_ATOL``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import pytest
+
+pytest.importorskip("sglang")
+pytest_asyncio = pytest.importorskip("pytest_asyncio")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from ferryman.client import ServerClient  # noqa: E402
+from ferryman.defaults.router import LocalRouter  # noqa: E402
+from ferryman.testing.engine_contract import EngineContract  # noqa: E402
+from ferryman.tiny import build_tiny_model  # noqa: E402
+from ferryman.types import SamplingParams  # noqa: E402
+from ferryman_engine_sglang.config import SGLangEngineConfig  # noqa: E402
+from ferryman_engine_sglang.engine import make_sglang_engine  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+ATOL = 1e-3
+"""SGLang against itself (batched vs alone, before vs after an abort)."""
+REF_ATOL = 2e-2
+"""SGLang against a plain transformers forward loop (other kernels, same fp32 weights)."""
+TINY = dict(hidden_size=128, num_heads=2, num_kv_heads=1, num_layers=2, init_std=0.2)
+KV_TOKENS = 65536
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-sglang-gpu", **TINY)
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-sglang-gpu-seed1", seed=1, **TINY)
+
+
+def _state(path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return [(k, v.detach().clone()) for k, v in model.state_dict().items()]
+
+
+@pytest.fixture(scope="module")
+def own_weights(model_dir):
+    return _state(model_dir)
+
+
+@pytest.fixture(scope="module")
+def other_weights(other_dir):
+    return _state(other_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_models(model_dir, other_dir):
+    load = lambda p: transformers.AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).cuda().eval()  # noqa: E731
+    return {"own": load(model_dir), "other": load(other_dir)}
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and log-probs by full forwards (no cache, no batching)."""
+    seq, tokens, lps = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([seq], device="cuda")).logits[0, -1].float()
+            t = int(torch.argmax(logits))
+            tokens.append(t)
+            lps.append(float(torch.log_softmax(logits, -1)[t]))
+            seq.append(t)
+            if t == 2:
+                break
+    return tokens, lps
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def chat(tok):
+    def render(text: str) -> list[int]:
+        msgs = [{"role": "user", "content": text}]
+        return list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    return render
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def sgl_engine(model_dir):
+    cfg = SGLangEngineConfig(
+        dtype="float32",
+        cuda_graph=False,
+        mem_fraction_static=0.3,
+        max_total_tokens=KV_TOKENS,
+        max_running_requests=64,
+        server_args={
+            "attention_backend": os.environ.get("FERRYMAN_SGLANG_TEST_ATTENTION", "triton"),
+            "sampling_backend": "pytorch",
+        },
+    )
+    engine = make_sglang_engine(cfg, model_path=str(model_dir), replica="gpu-sglang", seed=0)
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+@pytest_asyncio.fixture(loop_scope="module", autouse=True)
+async def _leave_engine_ready(request):
+    yield
+    if "sgl_engine" in request.fixturenames:
+        engine = request.getfixturevalue("sgl_engine")
+        engine.config.pause_mode = "abort"
+        await engine.resume()
+
+
+async def _update(engine, weights, version: int, *, bucket: int = 4) -> None:
+    """The weight-sync sequence of ferryman.sync, the weights in several buckets."""
+    await engine.pause(abort=True)
+    await engine.release_kv_cache()
+    for i in range(0, len(weights), bucket):
+        await engine.load_weights(weights[i : i + bucket])
+    await engine.set_version(version)
+    await engine.resume_kv_cache()
+    await engine.resume()
+
+
+async def _long_prompt(engine, chat, n: int) -> tuple[list[int], object]:
+    """A prompt whose greedy continuation uses the whole budget of ``n`` tokens."""
+    rng = random.Random(0)
+    for i in range(40):
+        prompt = chat(" ".join(rng.choice(["Repeat", "the", "digit", "7", "sum", "plus", "now"]) for _ in range(6)))
+        ref = await engine.generate(f"long-{i}", prompt, greedy(n))
+        if ref.stop_reason == "length":
+            return prompt, ref
+    pytest.skip("no prompt found whose greedy continuation avoids EOS")
+
+
+class TestSGLangContract(EngineContract):
+    log_prob_atol = ATOL
+
+    @pytest.fixture
+    def engine(self, sgl_engine):
+        return sgl_engine
+
+    @pytest.fixture
+    def prompt_ids(self, chat):
+        return chat("Repeat the digit 7.")
+
+    @pytest.fixture
+    def own_weights(self, own_weights):
+        return own_weights
+
+
+async def test_matches_transformers_reference(sgl_engine, chat, hf_models):
+    """Token ids and log-probs equal a plain transformers forward loop on the same GPU."""
+    prompts = [chat("Repeat the digit 7."), chat("What is 3 plus 4?"), [5, 6, 7]]
+    outs = await asyncio.gather(*[sgl_engine.generate(f"ref-{i}", p, greedy(16)) for i, p in enumerate(prompts)])
+    for p, out in zip(prompts, outs):
+        tokens, lps = hf_greedy(hf_models["own"], p, 16)
+        assert out.token_ids == tokens
+        assert max(abs(a - b) for a, b in zip(out.log_probs, lps)) <= REF_ATOL
+
+
+async def test_log_probs_are_at_the_sampling_temperature(sgl_engine, chat, hf_models):
+    """Sampled at temperature 0.7 (top-p/top-k off): each log-prob is log_softmax(logits / 0.7)
+    of the token drawn, as the trainer computes it."""
+    prompt = chat("Say 3.")
+    out = await sgl_engine.generate("temp", prompt, SamplingParams(max_tokens=12, temperature=0.7))
+    with torch.no_grad():
+        logits = hf_models["own"](input_ids=torch.tensor([prompt + out.token_ids], device="cuda")).logits[0].float()
+    lp = torch.log_softmax(logits / 0.7, -1)
+    for i, t in enumerate(out.token_ids):
+        assert abs(float(lp[len(prompt) + i - 1, t]) - out.log_probs[i]) <= REF_ATOL
+
+
+async def test_partial_rollout_round_trip_same_tokens(sgl_engine, chat):
+    """A greedy generation aborted by a sync and resumed by the server client (prompt + tokens
+    so far, same request id) gives the tokens of an uninterrupted run; the resumed piece is
+    served from the radix cache (cached_tokens) and its tokens carry the new version."""
+    engine = sgl_engine
+    prompt, ref = await _long_prompt(engine, chat, 96)
+    client = ServerClient(LocalRouter([engine.replica]), {engine.replica: engine}, partial_rollout=True)
+    v0 = await engine.get_version()
+    hits0 = (await engine.stats())["prefix_cache_hit_tokens"]
+    seen: list[int] = []
+    task = asyncio.ensure_future(client.generate("round-trip", prompt, greedy(96), on_tokens=lambda d: seen.extend(d.token_ids)))
+    while len(seen) < 40:
+        await asyncio.sleep(0.001)
+    await engine.pause(abort=True)
+    await engine.set_version(v0 + 1)
+    await engine.resume()
+    out = await asyncio.wait_for(task, 120)
+    await client.drain()
+    assert out.token_ids == ref.token_ids
+    assert max(abs(a - b) for a, b in zip(out.log_probs, ref.log_probs)) <= ATOL
+    assert out.num_aborts == 1 and out.stop_reason == "length"
+    k = out.versions.index(v0 + 1)
+    assert 40 <= k < 96 and out.versions == [v0] * k + [v0 + 1] * (96 - k)
+    # the resend of prompt + k tokens reused the KV of all but the last of them
+    assert (await engine.stats())["prefix_cache_hit_tokens"] - hits0 >= len(prompt) + k - 1
+
+
+async def test_abort_before_prefill_returns_no_tokens(sgl_engine, chat):
+    engine = sgl_engine
+    tasks = [asyncio.ensure_future(engine.generate(f"early-{i}", chat(f"Say {i}."), greedy(64))) for i in range(32)]
+    await asyncio.sleep(0)  # sent to SGLang, not yet scheduled
+    await engine.pause(abort=True)
+    outs = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    assert all(o.stop_reason == "aborted" for o in outs)
+    assert any(o.token_ids == [] for o in outs)
+    await engine.resume()
+
+
+async def test_weight_load_changes_outputs_and_version(sgl_engine, chat, own_weights, other_weights, hf_models):
+    engine = sgl_engine
+    prompt = chat("Write the digit 2. Now the digit 5.")
+    before = await engine.generate("w-before", prompt, greedy(16))
+    v = await engine.get_version()
+    await engine.pause(abort=True)
+    free0 = torch.cuda.mem_get_info()[0]
+    await engine.release_kv_cache()
+    freed = torch.cuda.mem_get_info()[0] - free0
+    kv_bytes = KV_TOKENS * TINY["num_layers"] * 2 * TINY["num_kv_heads"] * (TINY["hidden_size"] // TINY["num_heads"]) * 4
+    assert freed >= kv_bytes // 2, f"release_kv_cache freed {freed} bytes of about {kv_bytes}"
+    for i in range(0, len(other_weights), 4):
+        await engine.load_weights(other_weights[i : i + 4])
+    await engine.set_version(v + 1)
+    await engine.resume_kv_cache()
+    await engine.resume()
+    after = await engine.generate("w-after", prompt, greedy(16))
+    assert after.token_ids != before.token_ids
+    assert after.versions == [v + 1] * len(after.token_ids)
+    tokens, lps = hf_greedy(hf_models["other"], prompt, 16)
+    assert after.token_ids == tokens, "SGLang with the loaded weights differs from the other model"
+    assert max(abs(a - b) for a, b in zip(after.log_probs, lps)) <= REF_ATOL
+    await _update(engine, own_weights, v + 2)
+    again = await engine.generate("w-again", prompt, greedy(16))
+    assert again.token_ids == before.token_ids and again.versions == [v + 2] * len(again.token_ids)
+    assert max(abs(a - b) for a, b in zip(again.log_probs, before.log_probs)) <= ATOL
+
+
+async def test_weights_from_gpu_buffer_views(sgl_engine, chat, own_weights, other_weights):
+    """What the nccl and cuda_ipc receivers hand over: views into one reused CUDA buffer."""
+    engine = sgl_engine
+    prompt = chat("Say 4.")
+    before = await engine.generate("views-before", prompt, greedy(12))
+    v = await engine.get_version()
+    buf = torch.empty(sum(t.numel() for _, t in other_weights), dtype=torch.float32, device="cuda")
+    await engine.pause(abort=True)
+    await engine.release_kv_cache()
+    for weights in (other_weights, own_weights):  # the same buffer twice, overwritten between
+        off, views = 0, []
+        for name, t in weights:
+            view = buf[off : off + t.numel()].view(t.shape)
+            view.copy_(t)
+            views.append((name, view))
+            off += t.numel()
+        await engine.load_weights(views)
+    await engine.set_version(v + 1)
+    await engine.resume_kv_cache()
+    await engine.resume()
+    after = await engine.generate("views-after", prompt, greedy(12))
+    assert after.token_ids == before.token_ids
+
+
+async def test_bad_weights_change_nothing(sgl_engine, chat, own_weights):
+    engine = sgl_engine
+    prompt = chat("Say 3.")
+    before = await engine.generate("bad-before", prompt, greedy(8))
+    name, tensor = own_weights[1]
+    with pytest.raises(ValueError, match="nothing loaded"):
+        await engine.load_weights([(own_weights[0][0], own_weights[0][1] * 3), (name, tensor[:1])])
+    with pytest.raises(ValueError, match="unknown parameter"):
+        await engine.load_weights([("model.layers.0.not_a_weight", tensor)])
+    after = await engine.generate("bad-after", prompt, greedy(8))
+    assert after.token_ids == before.token_ids
+
+
+async def test_radix_cache_hits_on_every_later_turn(sgl_engine, tok, chat):
+    """An agent session (four turns, one request id) stays on its replica; every turn after
+    the first is served from the radix cache up to what was computed before."""
+    engine = sgl_engine
+    client = ServerClient(LocalRouter([engine.replica]), {engine.replica: engine}, partial_rollout=True)
+    prompt = chat("Repeat the digit 7. Then add 3 plus 4 and say the result.")
+    computed = 0
+    user = tok.encode("<|im_end|>\n<|im_start|>user\nNow the digit 9.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    for turn in range(4):
+        out = await client.generate("session-1", prompt, greedy(24))
+        assert out.replica == engine.replica
+        if turn:
+            assert out.num_cached_prompt_tokens >= computed - 1, f"turn {turn}: {out.num_cached_prompt_tokens} < {computed - 1}"
+        computed = len(prompt) + len(out.token_ids)
+        prompt = prompt + out.token_ids + user
+    await client.drain()
+    assert 0 < (await engine.stats())["prefix_cache_hit_rate"] <= 1
+
+
+async def test_keep_mode_continues_with_the_new_weights(sgl_engine, chat, own_weights, other_weights, hf_models):
+    """pause_mode keep: the call stays open through the update and continues with the new
+    weights (its KV recomputed by them); later tokens carry the new version."""
+    engine = sgl_engine
+    prompt, ref = await _long_prompt(engine, chat, 96)
+    engine.config.pause_mode = "keep"
+    v = await engine.get_version()
+    seen: list[int] = []
+    task = asyncio.ensure_future(engine.generate("kept", prompt, greedy(96), on_tokens=lambda d: seen.extend(d.token_ids)))
+    while len(seen) < 30:
+        await asyncio.sleep(0.001)
+    await engine.pause(abort=True)
+    await asyncio.sleep(0.2)
+    assert not task.done()
+    await _update_paused(engine, other_weights, v + 1)
+    out = await asyncio.wait_for(task, 120)
+    assert out.num_aborts == 0 and out.stop_reason in ("length", "stop")
+    k = out.versions.index(v + 1)
+    assert k >= 30 and out.versions == [v] * k + [v + 1] * (len(out.versions) - k)
+    assert out.token_ids[:k] == ref.token_ids[:k]
+    tokens, _ = hf_greedy(hf_models["other"], prompt + out.token_ids[:k], 8)
+    assert out.token_ids[k : k + len(tokens)] == tokens[: len(out.token_ids) - k]
+    engine.config.pause_mode = "abort"
+    await _update(engine, own_weights, v + 2)
+
+
+async def _update_paused(engine, weights, version):
+    await engine.release_kv_cache()
+    for i in range(0, len(weights), 4):
+        await engine.load_weights(weights[i : i + 4])
+    await engine.set_version(version)
+    await engine.resume_kv_cache()
+    await engine.resume()
+
+
+async def test_in_place_mode_survives_a_weight_update(sgl_engine, chat, own_weights):
+    """pause_mode in_place: SGLang keeps the request in its batch; no memory release (SGLang
+    asserts idleness), the load does not flush (SGLang asserts the flush), the radix cache is
+    flushed once SGLang is idle again."""
+    engine = sgl_engine
+    prompt, ref = await _long_prompt(engine, chat, 96)
+    engine.config.pause_mode = "in_place"
+    v = await engine.get_version()
+    seen: list[int] = []
+    task = asyncio.ensure_future(engine.generate("in-place", prompt, greedy(96), on_tokens=lambda d: seen.extend(d.token_ids)))
+    while len(seen) < 30:
+        await asyncio.sleep(0.001)
+    await engine.pause(abort=True)
+    await asyncio.sleep(0.2)
+    n = len(seen)
+    await asyncio.sleep(0.2)
+    assert len(seen) == n and not task.done(), "in_place pause did not stop generating"
+    await _update_paused(engine, own_weights, v + 1)  # own weights: the continuation is unchanged
+    out = await asyncio.wait_for(task, 120)
+    assert out.token_ids == ref.token_ids and out.num_aborts == 0
+    for _ in range(100):
+        if not (await engine.stats())["cache_stale"]:
+            break
+        await asyncio.sleep(0.05)
+    assert (await engine.stats())["cache_stale"] == 0.0
