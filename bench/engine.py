@@ -125,7 +125,7 @@ async def run_sglang_raw(prompts: list[list[int]], max_tokens: int, args: argpar
     api = load_sglang()
     kwargs = sglang_config(args).engine_kwargs(model_path=str(model_dir), seed=0)
     t0 = time.perf_counter()
-    engine = await asyncio.to_thread(api.engine_cls, **kwargs)
+    engine = api.engine_cls(**kwargs)  # on the loop thread, as SGLangEngine.start does
     started = time.perf_counter() - t0
     sp = {"max_new_tokens": max_tokens, "temperature": 1.0, "no_stop_trim": True, "skip_special_tokens": False}
     await engine.async_generate(input_ids=prompts[:8], sampling_params={**sp, "max_new_tokens": 8}, return_logprob=True)

@@ -563,3 +563,16 @@ def test_engine_requires_start():
     engine = SGLangEngine(SGLangEngineConfig(), model_path="/nowhere")
     with pytest.raises(RuntimeError, match="start"):
         asyncio.run(engine.generate("x", [1], SamplingParams()))
+
+
+def test_ferryman_config_validates_an_sglang_run_without_sglang(capsys):
+    """``ferryman config`` on the README's example with ``engine.type=sglang`` (the plugin found
+    through its entry point; SGLang is not imported)."""
+    from pathlib import Path
+
+    from ferryman.cli import main
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "tiny_digits.yaml"
+    assert main(["config", str(example), "engine.type=sglang", "engine.pause_mode=keep"]) == 0
+    assert "sglang" in capsys.readouterr().out
+    assert main(["config", str(example), "engine.type=sglang", "engine.pause_mode=freeze"]) != 0

@@ -176,8 +176,10 @@ class SGLangEngine:
         self._spec = await asyncio.to_thread(read_checkpoint_spec, self.model_path)
         self.vocab_size = self._spec.vocab_size
         kwargs = self.config.engine_kwargs(model_path=self.model_path, seed=self.seed)
-        # SGLang's Engine starts its scheduler processes and blocks until they are ready
-        self._sgl, self._api = await asyncio.to_thread(self._factory, kwargs)
+        # built on the event loop's thread, which blocks while SGLang starts its scheduler
+        # processes (once): SGLang's Engine takes the running loop as its own and registers its
+        # signal handlers only on the main thread, so it is not built in a worker thread
+        self._sgl, self._api = self._factory(kwargs)
         tm = self._sgl.tokenizer_manager
         context = getattr(tm, "context_len", None)
         self.max_context = int(context) if context else self._spec.max_position_embeddings
