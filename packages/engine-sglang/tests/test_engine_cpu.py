@@ -576,3 +576,44 @@ def test_ferryman_config_validates_an_sglang_run_without_sglang(capsys):
     assert main(["config", str(example), "engine.type=sglang", "engine.pause_mode=keep"]) == 0
     assert "sglang" in capsys.readouterr().out
     assert main(["config", str(example), "engine.type=sglang", "engine.pause_mode=freeze"]) != 0
+
+
+async def test_weights_through_the_nccl_transport(model_dir, own_state, prompt):
+    """The ``nccl`` weight sync (over gloo here): its receiver, beside each replica, hands the
+    buckets (views of its receive buffer) to the engine's load_weights, which passes them to
+    SGLang's update_weights_from_tensor; both replicas end with the sent weights."""
+    sync_nccl = pytest.importorskip("ferryman_sync_nccl")
+    from ferryman.engine_host import EngineHandle
+    from ferryman.plugins import PluginHost
+    from ferryman_sync_nccl import hooks as nccl_hooks
+
+    host = PluginHost(load_entry_points=False, extra_plugins=(nccl_hooks,))
+    pairs = [await started(model_dir, own_state) for _ in range(2)]
+    handles = [EngineHandle(f"replica-{i}", engine=e, plugin_host=host) for i, (e, _) in enumerate(pairs)]
+    transport = sync_nccl.NcclSync(sync_nccl.NcclSyncConfig(backend="gloo", timeout_s=20, bucket_megabytes=0.25))
+    try:
+        before = await pairs[0][0].generate("a", prompt, greedy(10))
+        other = [(k, v * 1.5) for k, v in own_state]
+        for version, weights in ((1, other), (2, own_state)):
+            for h in handles:
+                await h.pause(True)
+                await h.release_kv_cache()
+            metrics = await transport.transfer(iter([weights[i : i + 3] for i in range(0, len(weights), 3)]), handles, version)
+            assert metrics["sync/buckets"] >= 2
+            for h in handles:
+                await h.set_version(version)
+                await h.resume_kv_cache()
+                await h.resume()
+            outs = [await e.generate(f"v{version}", prompt, greedy(10)) for e, _ in pairs]
+            assert outs[0].token_ids == outs[1].token_ids and outs[0].versions == [version] * len(outs[0].token_ids)
+            for _, fake in pairs:
+                assert fake.weights == pytest.approx(checksums(weights), rel=1e-6)
+                assert fake.crashed is None
+            if version == 1:
+                assert outs[0].token_ids != before.token_ids
+            else:
+                assert outs[0].token_ids == before.token_ids
+    finally:
+        transport.close()
+        for h in handles:
+            await h.shutdown()
