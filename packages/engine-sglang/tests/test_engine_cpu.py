@@ -617,3 +617,17 @@ async def test_weights_through_the_nccl_transport(model_dir, own_state, prompt):
         transport.close()
         for h in handles:
             await h.shutdown()
+
+
+async def test_abort_before_anything_was_sent_sends_nothing(model_dir, own_state, prompt):
+    engine, fake = await started(model_dir, own_state)
+    try:
+        tasks = [asyncio.ensure_future(engine.generate(f"n{i}", prompt, greedy(8))) for i in range(4)]
+        await asyncio.sleep(0)  # the calls are in, their SGLang calls not yet made
+        await engine.pause(abort=True)
+        outs = await asyncio.gather(*tasks)
+        assert [o.stop_reason for o in outs] == ["aborted"] * 4 and all(o.token_ids == [] for o in outs)
+        assert fake.generate_kwargs == [] and (await engine.stats())["num_aborted"] == 4
+        await engine.resume()
+    finally:
+        await engine.shutdown()

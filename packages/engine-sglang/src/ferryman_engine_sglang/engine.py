@@ -349,6 +349,8 @@ class SGLangEngine:
         refused a request that ferryman had asked it to abort before it was scheduled."""
         last: dict[str, Any] | None = None
         try:
+            if req.abort_requested:  # aborted before this task ran: nothing was sent
+                return None
             result = await self._sgl.async_generate(**kwargs)
             if stream:
                 async for out in result:
