@@ -149,6 +149,7 @@ class SGLangEngine:
         self._active: dict[str, _Request] = {}
         """Requests with a piece running in SGLang, by SGLang request id."""
         self._calls: set[_Request] = set()
+        self._background: set[asyncio.Task[Any]] = set()
         self._blocked = 0
 
         self._num_requests = 0
@@ -436,7 +437,9 @@ class SGLangEngine:
             return
         if self._cache_stale and not self._closed and not self._frozen:
             # in_place kept requests through a weight load: flush at the first idle moment
-            asyncio.get_running_loop().create_task(self._retry_flush())
+            task = asyncio.get_running_loop().create_task(self._retry_flush())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _retry_flush(self) -> None:
         if self._cache_stale and not self._active and await self._flush():
