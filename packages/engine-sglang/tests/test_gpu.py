@@ -49,6 +49,9 @@ REF_ATOL = 2e-2
 """SGLang against a plain transformers forward loop (other kernels, same fp32 weights)."""
 TINY = dict(hidden_size=128, num_heads=2, num_kv_heads=1, num_layers=2, init_std=0.2)
 KV_TOKENS = 65536
+DTYPE = os.environ.get("FERRYMAN_SGLANG_TEST_DTYPE", "float32")
+"""SGLang's and the reference's dtype (bfloat16 only if a kernel refuses float32: the
+tolerances above are for float32)."""
 
 
 def greedy(n: int) -> SamplingParams:
@@ -66,7 +69,7 @@ def other_dir(tmp_path_factory):
 
 
 def _state(path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # as a trainer sends them
     return [(k, v.detach().clone()) for k, v in model.state_dict().items()]
 
 
@@ -82,7 +85,7 @@ def other_weights(other_dir):
 
 @pytest.fixture(scope="module")
 def hf_models(model_dir, other_dir):
-    load = lambda p: transformers.AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).cuda().eval()  # noqa: E731
+    load = lambda p: transformers.AutoModelForCausalLM.from_pretrained(p, dtype=getattr(torch, DTYPE)).cuda().eval()  # noqa: E731
     return {"own": load(model_dir), "other": load(other_dir)}
 
 
@@ -118,7 +121,7 @@ def chat(tok):
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def sgl_engine(model_dir):
     cfg = SGLangEngineConfig(
-        dtype="float32",
+        dtype=DTYPE,
         cuda_graph=False,
         mem_fraction_static=0.3,
         max_total_tokens=KV_TOKENS,
@@ -252,7 +255,7 @@ async def test_weight_load_changes_outputs_and_version(sgl_engine, chat, own_wei
     free0 = torch.cuda.mem_get_info()[0]
     await engine.release_kv_cache()
     freed = torch.cuda.mem_get_info()[0] - free0
-    kv_bytes = KV_TOKENS * TINY["num_layers"] * 2 * TINY["num_kv_heads"] * (TINY["hidden_size"] // TINY["num_heads"]) * 4
+    kv_bytes = KV_TOKENS * TINY["num_layers"] * 2 * TINY["num_kv_heads"] * (TINY["hidden_size"] // TINY["num_heads"]) * getattr(torch, DTYPE).itemsize
     assert freed >= kv_bytes // 2, f"release_kv_cache freed {freed} bytes of about {kv_bytes}"
     for i in range(0, len(other_weights), 4):
         await engine.load_weights(other_weights[i : i + 4])
@@ -277,7 +280,7 @@ async def test_weights_from_gpu_buffer_views(sgl_engine, chat, own_weights, othe
     prompt = chat("Say 4.")
     before = await engine.generate("views-before", prompt, greedy(12))
     v = await engine.get_version()
-    buf = torch.empty(sum(t.numel() for _, t in other_weights), dtype=torch.float32, device="cuda")
+    buf = torch.empty(sum(t.numel() for _, t in other_weights), dtype=torch.float32, device="cuda")  # a receive buffer
     await engine.pause(abort=True)
     await engine.release_kv_cache()
     for weights in (other_weights, own_weights):  # the same buffer twice, overwritten between
