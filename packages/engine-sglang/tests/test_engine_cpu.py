@@ -631,3 +631,11 @@ async def test_abort_before_anything_was_sent_sends_nothing(model_dir, own_state
         await engine.resume()
     finally:
         await engine.shutdown()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here")
+def test_ferryman_train_names_the_missing_extra_before_starting():
+    from ferryman.config import missing_requirements
+
+    (line,) = missing_requirements({"engine": SGLangEngineConfig()})
+    assert "'sglang'" in line and "--extra sglang" in line

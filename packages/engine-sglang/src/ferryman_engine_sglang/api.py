@@ -23,9 +23,8 @@ from typing import Any, Callable
 SUPPORTED = ">=0.5.11,<0.5.18"
 """SGLang releases this engine is written against (they pin torch 2.11 and CUDA 13)."""
 EXTRA_HINT = (
-    "engine type 'sglang' needs SGLang, which is not installed: install the extra "
-    f"(uv sync --extra sglang, or pip install 'ferryman-engine-sglang[sglang]' / 'sglang{SUPPORTED}') "
-    "on a machine with an NVIDIA GPU"
+    "engine type 'sglang' needs SGLang, which is not installed: uv sync --extra sglang in a ferryman "
+    "checkout, or pip install 'ferryman-engine-sglang[sglang]' (Linux x86-64 with an NVIDIA GPU)"
 )
 
 

@@ -6,11 +6,14 @@ without a GPU or without SGLang installed.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from ferryman.config import PluginConfig
+
+INSTALL_HINT = "uv sync --extra sglang in a ferryman checkout, or pip install 'ferryman-engine-sglang[sglang]' (Linux x86-64 with an NVIDIA GPU)"
+"""How to install what the engine needs beyond this package."""
 
 _RESERVED_SERVER_ARGS = frozenset(
     {
@@ -42,6 +45,7 @@ class SGLangEngineConfig(PluginConfig):
 
     type: Literal["sglang"] = "sglang"
     """Selects this engine."""
+    requires: ClassVar[dict[str, str]] = {"sglang": INSTALL_HINT}
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs of this replica (SGLang starts one scheduler process per GPU)."""
     base_gpu_id: int = Field(0, ge=0)
