@@ -50,9 +50,21 @@ PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64
 ]
 
 
-def not_carried(path: Path = NOT_CARRIED) -> set[str]:
-    """Names left behind on purpose (each with its reason in the file)."""
-    return {canonicalize_name(ln.split("#", 1)[0].strip()) for ln in path.read_text().splitlines() if ln.split("#", 1)[0].strip()}
+def not_carried(extra: str, path: Path = NOT_CARRIED) -> set[str]:
+    """Names left behind on purpose for ``extra`` (each with its reason in the file): the names
+    under ``[EXTRA]`` and under ``[all]``."""
+    names: set[str] = set()
+    section = "all"
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1].strip()
+            continue
+        if section in ("all", extra):
+            names.add(canonicalize_name(line))
+    return names
 
 
 def machine_packages(path: Path = MACHINE) -> dict[str, str | None]:
@@ -95,7 +107,7 @@ def carried(extra: str, machine: dict[str, str | None] | None = None, *, everyth
     pins = export(extra)
     skip: set[str] = set()
     if not everything:
-        skip = not_carried()
+        skip = not_carried(extra)
         stale = sorted(skip - {n for n, _ in pins})
         if stale:
             raise SystemExit(f"gpu_wheels: {NOT_CARRIED.name} names packages the {extra!r} export lacks: {', '.join(stale)}")
