@@ -114,12 +114,18 @@ def processes(ray_local):
             from ferryman.engine_host import EngineHandle
             from ferryman.types import SamplingParams, TokenOutput
 
+            gate = asyncio.Event()
+
             class TokenClock:
                 """Test double of a replica (EchoEngine would import torch into this process):
-                one token every 2 ms."""
+                one token every 2 ms; answers of more than 10 tokens also wait for the end of the
+                cancellation phase, so that phase always finds calls to cancel however slowly
+                this machine runs it (short ones finish during it, as real ones would)."""
 
                 async def generate(self, request_id, prompt_ids, params):
                     await asyncio.sleep(0.002 * params.max_tokens)
+                    if params.max_tokens > 10:
+                        await gate.wait()
                     return TokenOutput(token_ids=[1] * params.max_tokens, log_probs=[0.0] * params.max_tokens, stop_reason="length")
 
             rng = random.Random(seed)
@@ -136,6 +142,7 @@ def processes(ray_local):
                 lowest = min(lowest, *(r["in_flight"] for r in self.router.describe().values()))
                 for t in rng.sample(tasks, 12):
                     t.cancel()
+            gate.set()
             await asyncio.gather(*tasks, return_exceptions=True)
             await client.drain()
             await self.router.sync_now()
