@@ -49,6 +49,29 @@ class ModelConfig(Strict):
     """Context length of the tiny model (the transformers engine refuses longer prompts)."""
 
 
+class RunFailuresConfig(Strict):
+    """When failing agent runs stop the whole run (``rollout.failures``). A failed run (the env
+    raised, timed out, or returned a trajectory without a finite reward or with a non-finite
+    log-prob) is counted and dropped; many of them in a row, or most of the recent ones, mean
+    the env or the engines are broken, and the run stops with exit 1 and the first failure's
+    traceback instead of retrying forever."""
+
+    max_consecutive: int | None = Field(100, ge=1)
+    """Stop after this many failed agent runs in a row (None: never)."""
+    max_ratio: float | None = Field(0.9, gt=0, lt=1)
+    """Stop when more than this share of the last ``window`` finished agent runs failed
+    (checked once ``window`` runs have finished; None: never)."""
+    window: int = Field(500, ge=10)
+    """Finished agent runs the ratio is taken over."""
+    log_first: int = Field(3, ge=0)
+    """Failed runs logged one by one with their traceback; after them, one line at most every
+    ``log_every_s`` with the count since the last line."""
+    log_every_s: float = Field(30.0, gt=0)
+    trace_max: int = Field(200, ge=0)
+    """Failed runs (and samples dropped because all their runs failed) recorded in the trace;
+    later ones are only counted (``rollouter/failed_trajectories``)."""
+
+
 class RolloutConfig(Strict):
     n: int = Field(4, ge=1)
     """Trajectories per task (the GRPO group size)."""
@@ -67,6 +90,8 @@ class RolloutConfig(Strict):
     run_timeout_s: float | None = Field(None, gt=0)
     """Wall-clock limit of one agent run; a run over it is cancelled, counted
     (``rollouter/timed_out_trajectories``) and dropped like a failed run. None: no limit."""
+    failures: RunFailuresConfig = Field(default_factory=RunFailuresConfig)
+    """When failing agent runs stop the run (see :class:`RunFailuresConfig`)."""
 
 
 class AsyncTrainingConfig(Strict):
@@ -156,6 +181,10 @@ class TrainerLoopConfig(Strict):
     weight_sync_attempts: int = Field(3, ge=1)
     """Tries of one weight transfer before the sync (and the run) fails; engines stay paused
     between tries, so none generates from a half-loaded model."""
+    max_nonfinite_grad_steps: int = Field(5, ge=1)
+    """Stop the run (exit 1) after this many trainer steps in a row whose gradient norm
+    (``actor/grad_norm``, ``critic/grad_norm``) is not finite: the backend skipped their update,
+    so the run trains nothing. A run whose every step was skipped fails at its end as well."""
 
 
 class TraceConfig(Strict):

@@ -103,6 +103,7 @@ def build_rollouter(cfg: RunConfig, host: PluginHost, plugin_cfgs: dict[str, Any
         seed=cfg.seed,
         on_sample=lambda s: host.notify("ferryman_on_sample_produced", sample=s),
         run_timeout_s=cfg.rollout.run_timeout_s,
+        failures=cfg.rollout.failures,
     )
 
 
