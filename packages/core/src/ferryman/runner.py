@@ -25,6 +25,7 @@ from ferryman.checkpoint import (
     RollouterDiedError,
     RunDiedError,
     TrainerDiedError,
+    TrainingStalledError,
     find_checkpoint,
     read_meta,
 )
@@ -32,7 +33,7 @@ from ferryman.client import ServerClient
 from ferryman.config import ConfigError, RunConfig, validate_plugin_sections
 from ferryman.engine_host import EngineHandle, spawn_engine_actors
 from ferryman.plugins import PluginHost
-from ferryman.rollouter import Rollouter
+from ferryman.rollouter import AgentRunsFailingError, Rollouter
 from ferryman.sync import Synchronizer
 from ferryman.trainer_loop import Trainer
 from ferryman.types import SamplingParams
@@ -304,7 +305,7 @@ async def _train_while_rolling_out(train: asyncio.Future, rollout: asyncio.Futur
     finished (every sample admitted) leaves the trainer to train what is queued."""
     await asyncio.wait({train, rollout}, return_when=asyncio.FIRST_COMPLETED)
     if not train.done() and rollout.done() and not rollout.cancelled() and rollout.exception() is not None:
-        err = rollout.exception()
+        err = _cause(rollout.exception())
         log.error("the Rollouter failed (%r): stopping the trainer", err)
         try:
             await close_queue()
@@ -315,8 +316,22 @@ async def _train_while_rolling_out(train: asyncio.Future, rollout: asyncio.Futur
             train.cancel()
         elif not train.cancelled() and train.exception() is not None:
             log.debug("the trainer stopped with %r", train.exception())
+        if isinstance(err, AgentRunsFailingError):  # the env's (or engines') fault, told as such
+            raise RollouterDiedError(f"{err}\nthe run stopped") from err
         raise RollouterDiedError(f"the Rollouter failed ({err.__class__.__name__}: {err}); the run stopped") from err
-    return await train
+    try:
+        return await train
+    except Exception as e:
+        cause = _cause(e)
+        if isinstance(cause, RunDiedError) and cause is not e:  # from a Ray actor: told plainly
+            raise type(cause)(str(cause)) from e
+        raise
+
+
+def _cause(err: BaseException) -> BaseException:
+    """The error a Ray actor raised (``RayTaskError.cause``), or ``err`` itself."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BaseException) else err
 
 
 async def _run_inline(
@@ -500,7 +515,11 @@ def run(cfg: RunConfig, host: PluginHost | None = None, *, resume: str | Path | 
                     ray.shutdown()
     except RunDiedError as e:
         latest = latest_checkpoint(cfg)
-        summary["error"] = f"{e}; resume from {latest or '(no checkpoint yet)'} with: ferryman train --resume {run_dir}"
+        if latest is not None:
+            fix = "once the cause is fixed, " if isinstance(e, TrainingStalledError) or isinstance(e.__cause__, AgentRunsFailingError) else ""
+            summary["error"] = f"{e}; {fix}resume from {latest} with: ferryman train --resume {run_dir}"
+        else:
+            summary["error"] = f"{e}; no checkpoint was saved (checkpoint.every_steps), so a new run starts from the beginning"
         raise type(e)(summary["error"]) from e
     finally:
         summary["wall_s"] = time.time() - t0
