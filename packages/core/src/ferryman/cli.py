@@ -60,9 +60,22 @@ def _load_for_resume(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    cfg, _ = _load(args)
+    """The validated config, plugin sections with their defaults filled in, after the env was
+    built once and checked (a task at least, JSON tasks), as ``train`` does before starting."""
+    from ferryman.config import ROLE_OF_SECTION, load_config
+    from ferryman.plugins import PluginHost
+    from ferryman.runner import check_env, tokenizer_for_checks
+
+    host = PluginHost()
+    config, overrides = _split_config(args.config, args.overrides)
+    cfg, plugin_cfgs = load_config(config, overrides, host)
     out = cfg.model_dump(mode="json")
-    out["_derived"] = {"mode": cfg.async_training.mode, **cfg.funnel()}
+    for section in ROLE_OF_SECTION:
+        out[section] = plugin_cfgs[section].model_dump(mode="json")
+    out["trackers"] = [t.model_dump(mode="json") for t in plugin_cfgs["trackers"]]
+    with tokenizer_for_checks(cfg) as tokenizer:
+        num_tasks = check_env(cfg, host, plugin_cfgs, tokenizer)
+    out["_derived"] = {"mode": cfg.async_training.mode, **cfg.funnel(), "env_tasks": num_tasks}
     print(yaml.safe_dump(out, sort_keys=False), end="")
     return 0
 

@@ -8,6 +8,7 @@ field and, where the field has a fixed set of values, the allowed ones, before a
 
 from __future__ import annotations
 
+import difflib
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -331,7 +332,26 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
+def _did_you_mean(word: str, choices: Any) -> str:
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _fields_at(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the (nested) model that holds the field at ``loc``."""
+    cls: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue  # an item of a list
+        field = cls.model_fields.get(part) if cls is not None else None
+        ann = field.annotation if field is not None else None
+        cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if cls is None:
+            return []
+    return list(cls.model_fields) if cls is not None else []
+
+
+def _format_validation_error(err: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in (prefix.split(".") if prefix else []) + list(e["loc"]) if p != "")
@@ -340,7 +360,7 @@ def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
         if e["type"] == "literal_error" and "expected" in ctx:
             msg = f"{msg} (allowed: {ctx['expected']})"
         if e["type"] == "extra_forbidden":
-            msg = "unknown field"
+            msg = "unknown field" + (_did_you_mean(e["loc"][-1], _fields_at(model, tuple(e["loc"]))) if e["loc"] else "")
         lines.append(f"  {loc or '<root>'}: {msg}")
     return "invalid configuration:\n" + "\n".join(lines)
 
@@ -377,7 +397,7 @@ def load_config(
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e)) from None
+        raise ConfigError(_format_validation_error(e, model=RunConfig)) from None
     plugin_cfgs = validate_plugin_sections(cfg, host) if host is not None else {}
     return cfg, plugin_cfgs
 
@@ -401,11 +421,15 @@ def validate_plugin_section(host: PluginHost, role: str, section: str, raw: Any)
     if name is None:
         raise ConfigError(f"{section}.type: missing (allowed: {allowed})")
     if name not in specs:
-        raise ConfigError(f"{section}.type: unknown {role} {name!r} (allowed: {allowed})")
+        disabled = host.disabled_provider(role, name) if isinstance(name, str) else None
+        if disabled is not None:
+            raise ConfigError(f"{section}.type: {role} {name!r} is registered by {disabled} (allowed now: {allowed})")
+        raise ConfigError(f"{section}.type: unknown {role} {name!r}{_did_you_mean(name, specs)} (allowed: {allowed})")
+    cls = specs[name].config_cls
     try:
-        return specs[name].config_cls.model_validate(raw)
+        return cls.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, section)) from None
+        raise ConfigError(_format_validation_error(e, section, cls)) from None
 
 
 def validate_plugin_sections(cfg: RunConfig, host: PluginHost) -> dict[str, Any]:

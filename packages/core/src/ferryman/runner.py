@@ -8,11 +8,14 @@ loop in this process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +83,67 @@ def prepare_model(cfg: RunConfig) -> None:
         )
     elif not (path / "config.json").is_file():
         raise ConfigError(f"model.path: {str(path)!r} is not a model directory (no config.json); set model.build_tiny=true to build a tiny one")
+
+
+@contextlib.contextmanager
+def tokenizer_for_checks(cfg: RunConfig) -> Iterator[Any]:
+    """The run's tokenizer for :func:`check_env` without building anything in place: the model
+    directory's, or (``model.build_tiny`` and not built yet) a tiny model's built in a temporary
+    directory."""
+    path = Path(cfg.model.path)
+    if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
+        yield _load_tokenizer(str(path))
+        return
+    if not cfg.model.build_tiny:
+        raise ConfigError(f"model.path: {str(path)!r} is not a model directory (no tokenizer); set model.build_tiny=true to build a tiny one")
+    from ferryman.tiny import build_tiny_model
+
+    m = cfg.model
+    with tempfile.TemporaryDirectory(prefix="ferryman-check-") as tmp:
+        built = build_tiny_model(
+            Path(tmp) / "tiny", vocab_size=m.tiny_vocab_size, hidden_size=m.tiny_hidden_size, num_layers=m.tiny_num_layers,
+            init_std=m.tiny_init_std, max_positions=m.tiny_max_positions, seed=cfg.seed,
+        )
+        yield _load_tokenizer(str(built))
+
+
+def check_env(cfg: RunConfig, host: PluginHost, plugin_cfgs: dict[str, Any], tokenizer: Any = None) -> int:
+    """Before anything starts: build the env once, as the Rollouter will, and check that it has
+    at least one task and that ``get_task(0)`` is JSON (tasks go into checkpoints and traces).
+    Returns the number of tasks; raises :class:`ConfigError` naming the env otherwise."""
+    section = plugin_cfgs["env"]
+    name = f"the {section.type!r} env"
+    if tokenizer is None:
+        tokenizer = _load_tokenizer(cfg.model.path)
+    try:
+        env = host.create("env", section, tokenizer=tokenizer, seed=cfg.seed)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the plugin raised, before anything started
+        raise ConfigError(f"env: {name} could not be built: {e!r}") from e
+    try:
+        try:
+            num = env.num_tasks()
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"env: num_tasks() of {name} raised {e!r}") from e
+        if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+            raise ConfigError(f"env: {name} has no tasks (num_tasks() returned {num!r}); a run needs at least one")
+        try:
+            task = env.get_task(0)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"env: get_task(0) of {name} raised {e!r}") from e
+        try:
+            json.dumps(task, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"env: get_task(0) of {name} is not JSON ({type(task).__name__}: {e}); tasks go into checkpoints "
+                "and traces, so they must be plain dicts, lists, strings and numbers"
+            ) from None
+        return num
+    finally:
+        close = getattr(env, "aclose", None)
+        if close is not None:
+            asyncio.run(close())
 
 
 # --------------------------------------------------------------------------- role builders
@@ -479,9 +543,10 @@ def run(cfg: RunConfig, host: PluginHost | None = None, *, resume: str | Path | 
     if cfg.runtime == "ray" and plugin_cfgs["queue"].type == "local":
         raise ConfigError("queue.type: 'local' lives in one process; with runtime 'ray' use 'ray' (allowed: ray)")
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     quiet_transformers()
     prepare_model(cfg)
+    check_env(cfg, host, plugin_cfgs)  # before the run directory, Ray or any engine exists
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     host.notify("ferryman_on_run_start", config=cfg, run_dir=str(run_dir))
     trace.configure(run_dir, cfg.trace.level, proc="driver")
