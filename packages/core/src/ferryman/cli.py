@@ -140,6 +140,12 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
                 numbers = timeline.stats(tl, lo, hi) if tl.steps else {}
             else:  # the whole run after its first step (warm-up)
                 numbers = timeline.stats(tl) if len(tl.steps) > 1 else {}
+            if numbers:  # say which steps the rates count: a trace of 30 steps is not "29 steps"
+                first_counted = first + numbers["warmup_steps"]
+                numbers["counted"] = (
+                    f"steps {first_counted}..{first_counted + numbers['steps'] - 1}: steps/samples/syncs and the rates; "
+                    f"the trace holds {numbers['trace_steps']} steps, {numbers['trace_samples']} samples, {numbers['trace_syncs']} syncs"
+                )
             report[run_dir] = {"mode": tl.mode, **numbers}
             label = args.titles[i] if args.titles and i < len(args.titles) else None
             title = timeline.panel_title(tl, numbers, label) if numbers else (label or timeline.MODE_TITLES.get(tl.mode, tl.mode))
