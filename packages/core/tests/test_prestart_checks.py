@@ -96,3 +96,27 @@ def test_run_refuses_an_env_without_tasks_before_the_run_directory(tmp_path, hos
     with pytest.raises(ConfigError, match="has no tasks"):
         run(cfg, host)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_rays_token_authentication_warning_shows_only_with_verbose(verbose, capsys):
+    import logging
+
+    auth = pytest.importorskip("ray._private.authentication.authentication_token_setup")
+    from ferryman.runner import RAY_AUTH_LOGGER, quiet_ray_auth_warning
+
+    logger = logging.getLogger(RAY_AUTH_LOGGER)
+    old, old_ferryman = logger.level, logging.getLogger("ferryman").level
+    logging.getLogger("ferryman").setLevel(logging.DEBUG if verbose else logging.WARNING)
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        quiet_ray_auth_warning()
+        auth._warn_token_auth_enabled()  # what ray.init calls for a new local cluster
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+        logging.getLogger("ferryman").setLevel(old_ferryman)
+    assert bool(seen) == verbose and all("Token authentication is enabled" in m for m in seen)

@@ -511,6 +511,17 @@ def _no_uv_run_workers() -> None:
         pass
 
 
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def quiet_ray_auth_warning() -> None:
+    """Ray warns at every ``ray.init`` that token authentication is on (its default for a new
+    local cluster, which ferryman keeps). Not news for each run: shown only with ``-v`` (when
+    ferryman's own INFO messages are shown)."""
+    if not logging.getLogger("ferryman").isEnabledFor(logging.INFO):
+        logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
+
+
 def _resume_point(cfg: RunConfig, resume: str | Path | None) -> tuple[Path | None, int | None]:
     """The checkpoint to resume from and its step. A run directory that has no checkpoint yet
     (the run died before its first one) starts over: ``(None, 0)``."""
@@ -563,6 +574,7 @@ def run(cfg: RunConfig, host: PluginHost | None = None, *, resume: str | Path | 
             import ray
 
             _no_uv_run_workers()
+            quiet_ray_auth_warning()
             started = not ray.is_initialized()
             if started:
                 ray.init(
