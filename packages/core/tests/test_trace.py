@@ -306,6 +306,9 @@ def test_timeline_model_of_the_synthetic_trace():
     # default range: after the first step (warm-up) to the end of the last
     s = timeline.stats(tl)
     assert s["range_s"] == pytest.approx(111.5 - 105.5) and s["steps"] == 1
+    # the whole trace is counted too, and the warm-up step left out of the rates is named
+    assert (s["warmup_steps"], s["trace_steps"], s["trace_samples"], s["trace_syncs"]) == (1, 2, 3, 2)
+    assert timeline.stats(tl, 100.0, 112.0)["warmup_steps"] == 0
     assert timeline.sample_kind(3, 3, 3) == "fresh"
     assert timeline.sample_kind(3, 1, 1) == "stale"
     assert timeline.sample_kind(3, 1, 2) == "resumed"
@@ -321,7 +324,10 @@ def test_timeline_command_renders_a_png_and_a_chrome_trace(tmp_path, capsys):
     assert main(["timeline", str(tmp_path), "-o", str(png), "--chrome", str(chrome)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     report = json.loads(capsys.readouterr().out)
-    assert report["runs"][str(tmp_path)]["mode"] == "d"
+    run = report["runs"][str(tmp_path)]
+    assert run["mode"] == "d"
+    assert (run["steps"], run["trace_steps"], run["trace_samples"], run["trace_syncs"]) == (1, 2, 3, 2)
+    assert run["counted"] == "steps 2..2: steps/samples/syncs and the rates; the trace holds 2 steps, 3 samples, 2 syncs"
     events = json.loads(chrome.read_text())["traceEvents"]
     assert any(e["name"] == "trainer.train" and e["dur"] == pytest.approx(1e6) for e in events)
 

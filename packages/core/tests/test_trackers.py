@@ -108,3 +108,36 @@ def test_missing_package_is_a_config_error(host, monkeypatch, name, extra):
     monkeypatch.setattr(importlib.util, "find_spec", lambda mod, *a: None if mod == name else real(mod, *a))
     with pytest.raises(ConfigError, match=rf"trackers\.0: .*'{name}' tracker needs the '{name}' package: pip install 'ferryman\[{extra}\]'"):
         load_config(None, BASE + [f"trackers=[{{type: {name}}}]"], host)
+
+
+def test_jsonl_lines_are_json_with_nonfinite_values_as_null(tmp_path):
+    import json
+
+    from ferryman.defaults.trackers import JsonlTracker
+
+    t = JsonlTracker(tmp_path / "metrics.jsonl")
+    t.log({"reward/mean": float("nan"), "actor/grad_norm": float("inf"), "loss": 0.5}, 1)
+    t.log({"loss": 0.25}, 2)
+    t.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+
+    def strict(text):  # what JSON allows: no NaN / Infinity literals
+        return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+
+    rows = [strict(line) for line in lines]
+    assert rows[0]["reward/mean"] is None and rows[0]["actor/grad_norm"] is None and rows[0]["loss"] == 0.5
+    assert rows[0]["metrics/nonfinite"] == 2
+    assert "metrics/nonfinite" not in rows[1]
+
+
+def test_console_line_shows_failed_and_dropped_counts():
+    import io
+
+    from ferryman.defaults.trackers import ConsoleTracker
+
+    out = io.StringIO()
+    ConsoleTracker(["reward/mean"], stream=out).log(
+        {"reward/mean": 0.5, "rollouter/failed_trajectories": 7.0, "rollouter/dropped_samples": 2.0}, 3
+    )
+    line = out.getvalue()
+    assert "reward/mean=0.500" in line and "failed=7" in line and "dropped=2" in line

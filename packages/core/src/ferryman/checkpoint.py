@@ -103,6 +103,11 @@ class RollouterDiedError(RunDiedError):
     resume from its last checkpoint."""
 
 
+class TrainingStalledError(RunDiedError):
+    """The trainer skipped step after step for non-finite gradients (it trains nothing): the
+    run was stopped (``training.max_nonfinite_grad_steps``)."""
+
+
 # --------------------------------------------------------------------------- the Rollouter's part
 
 

@@ -60,9 +60,22 @@ def _load_for_resume(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    cfg, _ = _load(args)
+    """The validated config, plugin sections with their defaults filled in, after the env was
+    built once and checked (a task at least, JSON tasks), as ``train`` does before starting."""
+    from ferryman.config import ROLE_OF_SECTION, load_config
+    from ferryman.plugins import PluginHost
+    from ferryman.runner import check_env, tokenizer_for_checks
+
+    host = PluginHost()
+    config, overrides = _split_config(args.config, args.overrides)
+    cfg, plugin_cfgs = load_config(config, overrides, host)
     out = cfg.model_dump(mode="json")
-    out["_derived"] = {"mode": cfg.async_training.mode, **cfg.funnel()}
+    for section in ROLE_OF_SECTION:
+        out[section] = plugin_cfgs[section].model_dump(mode="json")
+    out["trackers"] = [t.model_dump(mode="json") for t in plugin_cfgs["trackers"]]
+    with tokenizer_for_checks(cfg) as tokenizer:
+        num_tasks = check_env(cfg, host, plugin_cfgs, tokenizer)
+    out["_derived"] = {"mode": cfg.async_training.mode, **cfg.funnel(), "env_tasks": num_tasks}
     print(yaml.safe_dump(out, sort_keys=False), end="")
     return 0
 
@@ -127,6 +140,12 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
                 numbers = timeline.stats(tl, lo, hi) if tl.steps else {}
             else:  # the whole run after its first step (warm-up)
                 numbers = timeline.stats(tl) if len(tl.steps) > 1 else {}
+            if numbers:  # say which steps the rates count: a trace of 30 steps is not "29 steps"
+                first_counted = first + numbers["warmup_steps"]
+                numbers["counted"] = (
+                    f"steps {first_counted}..{first_counted + numbers['steps'] - 1}: steps/samples/syncs and the rates; "
+                    f"the trace holds {numbers['trace_steps']} steps, {numbers['trace_samples']} samples, {numbers['trace_syncs']} syncs"
+                )
             report[run_dir] = {"mode": tl.mode, **numbers}
             label = args.titles[i] if args.titles and i < len(args.titles) else None
             title = timeline.panel_title(tl, numbers, label) if numbers else (label or timeline.MODE_TITLES.get(tl.mode, tl.mode))

@@ -8,6 +8,7 @@ field and, where the field has a fixed set of values, the allowed ones, before a
 
 from __future__ import annotations
 
+import difflib
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -71,6 +72,29 @@ class ModelConfig(Strict):
     """Context length of the tiny model (the transformers engine refuses longer prompts)."""
 
 
+class RunFailuresConfig(Strict):
+    """When failing agent runs stop the whole run (``rollout.failures``). A failed run (the env
+    raised, timed out, or returned a trajectory without a finite reward or with a non-finite
+    log-prob) is counted and dropped; many of them in a row, or most of the recent ones, mean
+    the env or the engines are broken, and the run stops with exit 1 and the first failure's
+    traceback instead of retrying forever."""
+
+    max_consecutive: int | None = Field(100, ge=1)
+    """Stop after this many failed agent runs in a row (None: never)."""
+    max_ratio: float | None = Field(0.9, gt=0, lt=1)
+    """Stop when more than this share of the last ``window`` finished agent runs failed
+    (checked once ``window`` runs have finished; None: never)."""
+    window: int = Field(500, ge=10)
+    """Finished agent runs the ratio is taken over."""
+    log_first: int = Field(3, ge=0)
+    """Failed runs logged one by one with their traceback; after them, one line at most every
+    ``log_every_s`` with the count since the last line."""
+    log_every_s: float = Field(30.0, gt=0)
+    trace_max: int = Field(200, ge=0)
+    """Failed runs (and samples dropped because all their runs failed) recorded in the trace;
+    later ones are only counted (``rollouter/failed_trajectories``)."""
+
+
 class RolloutConfig(Strict):
     n: int = Field(4, ge=1)
     """Trajectories per task (the GRPO group size)."""
@@ -89,6 +113,8 @@ class RolloutConfig(Strict):
     run_timeout_s: float | None = Field(None, gt=0)
     """Wall-clock limit of one agent run; a run over it is cancelled, counted
     (``rollouter/timed_out_trajectories``) and dropped like a failed run. None: no limit."""
+    failures: RunFailuresConfig = Field(default_factory=RunFailuresConfig)
+    """When failing agent runs stop the run (see :class:`RunFailuresConfig`)."""
 
 
 class AsyncTrainingConfig(Strict):
@@ -178,6 +204,10 @@ class TrainerLoopConfig(Strict):
     weight_sync_attempts: int = Field(3, ge=1)
     """Tries of one weight transfer before the sync (and the run) fails; engines stay paused
     between tries, so none generates from a half-loaded model."""
+    max_nonfinite_grad_steps: int = Field(5, ge=1)
+    """Stop the run (exit 1) after this many trainer steps in a row whose gradient norm
+    (``actor/grad_norm``, ``critic/grad_norm``) is not finite: the backend skipped their update,
+    so the run trains nothing. A run whose every step was skipped fails at its end as well."""
 
 
 class TraceConfig(Strict):
@@ -324,7 +354,26 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
+def _did_you_mean(word: str, choices: Any) -> str:
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _fields_at(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the (nested) model that holds the field at ``loc``."""
+    cls: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue  # an item of a list
+        field = cls.model_fields.get(part) if cls is not None else None
+        ann = field.annotation if field is not None else None
+        cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if cls is None:
+            return []
+    return list(cls.model_fields) if cls is not None else []
+
+
+def _format_validation_error(err: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in (prefix.split(".") if prefix else []) + list(e["loc"]) if p != "")
@@ -333,7 +382,7 @@ def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
         if e["type"] == "literal_error" and "expected" in ctx:
             msg = f"{msg} (allowed: {ctx['expected']})"
         if e["type"] == "extra_forbidden":
-            msg = "unknown field"
+            msg = "unknown field" + (_did_you_mean(e["loc"][-1], _fields_at(model, tuple(e["loc"]))) if e["loc"] else "")
         lines.append(f"  {loc or '<root>'}: {msg}")
     return "invalid configuration:\n" + "\n".join(lines)
 
@@ -370,7 +419,7 @@ def load_config(
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e)) from None
+        raise ConfigError(_format_validation_error(e, model=RunConfig)) from None
     plugin_cfgs = validate_plugin_sections(cfg, host) if host is not None else {}
     return cfg, plugin_cfgs
 
@@ -394,11 +443,15 @@ def validate_plugin_section(host: PluginHost, role: str, section: str, raw: Any)
     if name is None:
         raise ConfigError(f"{section}.type: missing (allowed: {allowed})")
     if name not in specs:
-        raise ConfigError(f"{section}.type: unknown {role} {name!r} (allowed: {allowed})")
+        disabled = host.disabled_provider(role, name) if isinstance(name, str) else None
+        if disabled is not None:
+            raise ConfigError(f"{section}.type: {role} {name!r} is registered by {disabled} (allowed now: {allowed})")
+        raise ConfigError(f"{section}.type: unknown {role} {name!r}{_did_you_mean(name, specs)} (allowed: {allowed})")
+    cls = specs[name].config_cls
     try:
-        return specs[name].config_cls.model_validate(raw)
+        return cls.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, section)) from None
+        raise ConfigError(_format_validation_error(e, section, cls)) from None
 
 
 def validate_plugin_sections(cfg: RunConfig, host: PluginHost) -> dict[str, Any]:

@@ -65,6 +65,8 @@ class PluginHost:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self._info: dict[str, PluginInfo] = {}
+        self._disabled: list[md.EntryPoint] = []
+        """Entry points skipped by ``FERRYMAN_DISABLE_PLUGINS`` (for error messages)."""
         core_version = _dist_version("ferryman")
         for modname in DEFAULT_PLUGINS:
             self._register(importlib.import_module(modname), PluginInfo(modname, "ferryman", core_version, modname))
@@ -93,13 +95,12 @@ class PluginHost:
 
     def _load_entry_points(self) -> None:
         disabled = {s.strip() for s in os.environ.get(DISABLE_ENV, "").split(",") if s.strip()}
-        if "*" in disabled:
-            return
         for ep in md.entry_points(group=ENTRY_POINT_GROUP):
             dist = ep.dist.name if ep.dist is not None else "<unknown>"
             version = ep.dist.version if ep.dist is not None else ""
-            if ep.name in disabled or dist in disabled or _norm(dist) in {_norm(d) for d in disabled}:
+            if "*" in disabled or ep.name in disabled or dist in disabled or _norm(dist) in {_norm(d) for d in disabled}:
                 log.info("plugin %s (%s) disabled by %s", ep.name, dist, DISABLE_ENV)
+                self._disabled.append(ep)
                 continue
             try:
                 module = ep.load()
@@ -150,6 +151,21 @@ class PluginHost:
         if name not in specs:
             raise PluginError(f"no {role} named {name!r} (installed: {', '.join(sorted(specs)) or 'none'})")
         return specs[name]
+
+    def disabled_provider(self, role: str, name: str) -> str | None:
+        """Which plugin disabled by ``FERRYMAN_DISABLE_PLUGINS`` would register ``name`` for
+        ``role`` (asked of its hooks module, which imports nothing heavy), or None."""
+        hook = hookspecs.REGISTRATION_HOOKS.get(role)
+        for ep in self._disabled:
+            try:
+                register = getattr(ep.load(), hook or "", None)
+                records = register() if callable(register) else []
+            except Exception:  # noqa: BLE001 - a broken disabled plugin names nothing
+                continue
+            if any(getattr(rec, "name", None) == name for rec in records or []):
+                dist = ep.dist.name if ep.dist is not None else "<unknown>"
+                return f"plugin {ep.name!r} of {dist}, disabled by {DISABLE_ENV}={os.environ.get(DISABLE_ENV, '')}"
+        return None
 
     def owner(self, role: str, name: str) -> PluginInfo:
         self._collect()

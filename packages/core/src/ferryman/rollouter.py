@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
+import traceback
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from ferryman import trace
+from ferryman.config import RunFailuresConfig
 from ferryman.faults import hit
 from ferryman.protocols import Env, GenerateClient, Queue
 from ferryman.replay import InFlightSample, RunRecorder
@@ -33,6 +37,45 @@ log = logging.getLogger(__name__)
 
 class RollouterError(RuntimeError):
     """The Rollouter's own machinery failed (see :attr:`Rollouter.failure`)."""
+
+
+class AgentRunsFailingError(RollouterError):
+    """Agent runs fail systematically (``rollout.failures``): the Rollouter stopped. The message
+    holds the counts and the first failure's full traceback."""
+
+
+class UntrainableRunError(ValueError):
+    """An agent run returned something that cannot be trained on; ``kind`` names what
+    (``no_reward``, ``nonfinite_reward``, ``nonfinite_log_prob``, ``bad_trajectory``)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def check_trainable(traj: Trajectory, request_id: str) -> None:
+    """Raise :class:`UntrainableRunError` unless ``traj`` is consistent and its numbers are
+    finite: a NaN or infinite reward (or engine log-prob) would turn every advantage of its
+    group, and then the whole step's gradient, into NaN."""
+    try:
+        traj.validate()
+    except ValueError as e:
+        raise UntrainableRunError("bad_trajectory", str(e)) from None
+    if traj.reward is None:
+        raise UntrainableRunError("no_reward", f"env returned trajectory {request_id} without a reward")
+    if isinstance(traj.reward, bool) or not isinstance(traj.reward, (int, float)):
+        raise UntrainableRunError("no_reward", f"env returned trajectory {request_id} with reward {traj.reward!r}: not a number")
+    if not math.isfinite(traj.reward):
+        raise UntrainableRunError("nonfinite_reward", f"env returned trajectory {request_id} with reward {traj.reward}: not finite")
+    for i, lp in enumerate(traj.rollout_log_probs):
+        if not math.isfinite(lp):
+            raise UntrainableRunError(
+                "nonfinite_log_prob", f"trajectory {request_id}: rollout log-prob {lp} at response position {i} is not finite (engine output)"
+            )
+
+
+FAILURE_KINDS = ("error", "timeout", "no_reward", "nonfinite_reward", "nonfinite_log_prob", "bad_trajectory")
+"""What ``rollouter/failed/<kind>`` counts: ``error`` is any exception the env raised."""
 
 
 @dataclass
@@ -67,6 +110,7 @@ class Rollouter:
         on_sample: Any = None,
         shuffle: bool = True,
         run_timeout_s: float | None = None,
+        failures: RunFailuresConfig | None = None,
     ) -> None:
         if max_required_samples < 1 or max_concurrent_samples < 1:
             raise ValueError("Rollouter: max_required_samples and max_concurrent_samples must be >= 1")
@@ -80,6 +124,8 @@ class Rollouter:
         self.total_samples = total_samples
         self.on_sample = on_sample
         self.run_timeout_s = run_timeout_s
+        self.failures = failures or RunFailuresConfig()
+        """When failing agent runs stop the Rollouter (:class:`AgentRunsFailingError`)."""
         self.recorder = RunRecorder(client)
         """What envs generate through: keeps each run's outputs so far for checkpoints."""
         self.inflight: dict[str, InFlightSample] = {}
@@ -111,6 +157,15 @@ class Rollouter:
         self.total_runs_dispatched = 0
         self.total_runs_finished = 0
         self.total_redispatched_runs = 0
+        self.failed_by_kind: Counter[str] = Counter()
+        self.consecutive_failures = 0
+        self._recent_failed: deque[bool] = deque(maxlen=self.failures.window)
+        self.first_failure: str | None = None
+        """The first failed agent run: its request id and full traceback."""
+        self._failures_unlogged = 0
+        self._failure_logged_at = 0.0
+        self._failures_traced = 0
+        self._wake: asyncio.Task[None] | None = None
         self.max_active_seen = 0
         self._busy_s = 0.0
         self._busy_since: float | None = None
@@ -179,6 +234,8 @@ class Rollouter:
                 async with cond:
                     await cond.wait_for(lambda: self.stopped or not self.active)
                 break
+        if isinstance(self.failure, RollouterError):
+            raise self.failure
         if self.failure is not None:
             raise RollouterError(f"the Rollouter failed: {self.failure!r}") from self.failure
 
@@ -194,22 +251,93 @@ class Rollouter:
             result = await asyncio.wait_for(self.env.run(task, request_id, self.recorder, self.sampling), self.run_timeout_s)
             trajs = list(result) if isinstance(result, (list, tuple)) else [result]
             if not trajs:
-                raise ValueError(f"env returned no trajectory for {request_id}")
+                raise UntrainableRunError("bad_trajectory", f"env returned no trajectory for {request_id}")
             for traj in trajs:
-                traj.validate()
-                if traj.reward is None:
-                    raise ValueError(f"env returned trajectory {request_id} without a reward")
+                if not isinstance(traj, Trajectory):
+                    raise UntrainableRunError("bad_trajectory", f"env returned {type(traj).__name__} for {request_id}, not a Trajectory")
+                check_trainable(traj, request_id)
             for traj in trajs:
                 traj.run_id = request_id  # segments of one run count as one run in training
-            return trajs
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a failed agent run is counted and dropped
-            self.total_failed_trajectories += 1
-            if isinstance(e, TimeoutError):
-                self.total_timed_out_trajectories += 1
-            log.warning("agent run %s failed: %r", request_id, e)
+            self._run_failed(request_id, e)
             return None
+        self.consecutive_failures = 0
+        self._recent_failed.append(False)
+        return trajs
+
+    # ---------------------------------------------------------------- failed runs
+    def _run_failed(self, request_id: str, e: BaseException) -> None:
+        """Count a failed agent run, log it (rate-limited) and stop the Rollouter when runs
+        fail systematically (``rollout.failures``)."""
+        self.total_failed_trajectories += 1
+        if isinstance(e, TimeoutError):
+            self.total_timed_out_trajectories += 1
+            kind = "timeout"
+        else:
+            kind = getattr(e, "kind", "error")
+        self.failed_by_kind[kind] += 1
+        self.consecutive_failures += 1
+        self._recent_failed.append(True)
+        if self.first_failure is None:
+            self.first_failure = f"agent run {request_id} ({kind}):\n" + "".join(traceback.format_exception(e)).rstrip()
+        self._log_failure(request_id, kind, e)
+        reason = self._systematic_failure()
+        if reason is not None and self.failure is None and not self.stopped:
+            self.failure = AgentRunsFailingError(
+                f"agent runs are failing systematically: {reason} ({self.total_failed_trajectories} failed, "
+                f"{self.total_runs_finished} succeeded so far; by kind: {dict(self.failed_by_kind)}); "
+                f"limits: rollout.failures.max_consecutive / max_ratio.\nfirst failure, {self.first_failure}"
+            )
+            log.error("Rollouter: %s; stopping", reason)
+            # the sample of this run ends soon (its other runs too): its cleanup stops admission
+            # and wakes fit(); do it now in case every other sample is blocked
+            self.stopped = True
+            self._wake = asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self.cond:
+            self.cond.notify_all()
+
+    def _systematic_failure(self) -> str | None:
+        f = self.failures
+        if f.max_consecutive is not None and self.consecutive_failures >= f.max_consecutive:
+            return f"{self.consecutive_failures} agent runs in a row failed"
+        recent = self._recent_failed
+        if f.max_ratio is not None and len(recent) == recent.maxlen:
+            ratio = sum(recent) / len(recent)
+            if ratio > f.max_ratio:
+                return f"{ratio:.0%} of the last {len(recent)} finished agent runs failed (limit {f.max_ratio:.0%})"
+        return None
+
+    def _log_failure(self, request_id: str, kind: str, e: BaseException) -> None:
+        """The first ``log_first`` failures one by one with their traceback; then one line at
+        most every ``log_every_s`` with the count since the previous line."""
+        f, now = self.failures, time.monotonic()
+        n = self.total_failed_trajectories
+        if n <= f.log_first:
+            log.warning("agent run %s failed (%s): %r", request_id, kind, e, exc_info=(type(e), e, e.__traceback__))
+            if n == f.log_first:
+                log.warning("further failed agent runs are counted, with one line at most every %gs", f.log_every_s)
+            self._failure_logged_at = now
+            return
+        self._failures_unlogged += 1
+        if now - self._failure_logged_at >= f.log_every_s:
+            log.warning(
+                "%d more agent runs failed in the last %.0fs (%d failed and %d succeeded in all; by kind %s; latest %s: %r)",
+                self._failures_unlogged, now - self._failure_logged_at, n, self.total_runs_finished,
+                dict(self.failed_by_kind), request_id, e,
+            )
+            self._failures_unlogged = 0
+            self._failure_logged_at = now
+
+    def _trace_failed(self) -> bool:
+        """Whether this failed run (or dropped sample) still goes into the trace."""
+        if self._failures_traced >= self.failures.trace_max:
+            return False
+        self._failures_traced += 1
+        return True
 
     async def _traced_run_one(self, task: dict[str, Any], request_id: str, uid: str) -> Any:
         """``_run_one`` recorded as a ``rollouter.traj`` span (with its versions and tokens)."""
@@ -222,12 +350,13 @@ class Rollouter:
             return result
         finally:
             segs = [] if result is None else (result if isinstance(result, list) else [result])
-            vs = [v for t in segs for v, mk in zip(t.token_versions, t.response_mask) if mk]
-            trace.complete(
-                "rollouter.traj", t0, time.time() - t0, uid=uid, request_id=request_id, ok=bool(segs),
-                min_version=min(vs, default=-1), max_version=max(vs, default=-1), tokens=len(vs),
-                aborts=sum(t.num_aborts for t in segs),
-            )
+            if segs or self._trace_failed():  # failures past rollout.failures.trace_max are only counted
+                vs = [v for t in segs for v, mk in zip(t.token_versions, t.response_mask) if mk]
+                trace.complete(
+                    "rollouter.traj", t0, time.time() - t0, uid=uid, request_id=request_id, ok=bool(segs),
+                    min_version=min(vs, default=-1), max_version=max(vs, default=-1), tokens=len(vs),
+                    aborts=sum(t.num_aborts for t in segs),
+                )
 
     def _blocked_reason(self) -> str | None:
         """Why a new task cannot be admitted now (None: it can)."""
@@ -297,7 +426,7 @@ class Rollouter:
                 log.error("Rollouter: sample %s failed outside its agent runs: %r", uid, e)
                 self.failure = e
         finally:
-            if trace.enabled():
+            if trace.enabled() and (put_ok or self._trace_failed()):
                 trace.complete("rollouter.sample", t0, time.time() - t0, uid=uid, task_index=index, version=version, queued=put_ok)
             async with self.cond:
                 self.active.pop(uid, None)
@@ -398,6 +527,7 @@ class Rollouter:
             "rollouter/dropped_samples": float(self.total_dropped_samples),
             "rollouter/failed_trajectories": float(self.total_failed_trajectories),
             "rollouter/timed_out_trajectories": float(self.total_timed_out_trajectories),
+            **{f"rollouter/failed/{k}": float(self.failed_by_kind[k]) for k in FAILURE_KINDS},
             "rollouter/runs_dispatched": float(self.total_runs_dispatched),
             "rollouter/runs_finished": float(self.total_runs_finished),
             "rollouter/redispatched_runs": float(self.total_redispatched_runs),

@@ -8,11 +8,14 @@ loop in this process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ from ferryman.checkpoint import (
     RollouterDiedError,
     RunDiedError,
     TrainerDiedError,
+    TrainingStalledError,
     find_checkpoint,
     read_meta,
 )
@@ -32,7 +36,7 @@ from ferryman.client import ServerClient
 from ferryman.config import ConfigError, RunConfig, missing_requirements, validate_plugin_sections
 from ferryman.engine_host import EngineHandle, spawn_engine_actors
 from ferryman.plugins import PluginError, PluginHost
-from ferryman.rollouter import Rollouter
+from ferryman.rollouter import AgentRunsFailingError, Rollouter
 from ferryman.sync import Synchronizer
 from ferryman.trainer_loop import Trainer
 from ferryman.types import SamplingParams
@@ -81,6 +85,67 @@ def prepare_model(cfg: RunConfig) -> None:
         raise ConfigError(f"model.path: {str(path)!r} is not a model directory (no config.json); set model.build_tiny=true to build a tiny one")
 
 
+@contextlib.contextmanager
+def tokenizer_for_checks(cfg: RunConfig) -> Iterator[Any]:
+    """The run's tokenizer for :func:`check_env` without building anything in place: the model
+    directory's, or (``model.build_tiny`` and not built yet) a tiny model's built in a temporary
+    directory."""
+    path = Path(cfg.model.path)
+    if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
+        yield _load_tokenizer(str(path))
+        return
+    if not cfg.model.build_tiny:
+        raise ConfigError(f"model.path: {str(path)!r} is not a model directory (no tokenizer); set model.build_tiny=true to build a tiny one")
+    from ferryman.tiny import build_tiny_model
+
+    m = cfg.model
+    with tempfile.TemporaryDirectory(prefix="ferryman-check-") as tmp:
+        built = build_tiny_model(
+            Path(tmp) / "tiny", vocab_size=m.tiny_vocab_size, hidden_size=m.tiny_hidden_size, num_layers=m.tiny_num_layers,
+            init_std=m.tiny_init_std, max_positions=m.tiny_max_positions, seed=cfg.seed,
+        )
+        yield _load_tokenizer(str(built))
+
+
+def check_env(cfg: RunConfig, host: PluginHost, plugin_cfgs: dict[str, Any], tokenizer: Any = None) -> int:
+    """Before anything starts: build the env once, as the Rollouter will, and check that it has
+    at least one task and that ``get_task(0)`` is JSON (tasks go into checkpoints and traces).
+    Returns the number of tasks; raises :class:`ConfigError` naming the env otherwise."""
+    section = plugin_cfgs["env"]
+    name = f"the {section.type!r} env"
+    if tokenizer is None:
+        tokenizer = _load_tokenizer(cfg.model.path)
+    try:
+        env = host.create("env", section, tokenizer=tokenizer, seed=cfg.seed)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the plugin raised, before anything started
+        raise ConfigError(f"env: {name} could not be built: {e!r}") from e
+    try:
+        try:
+            num = env.num_tasks()
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"env: num_tasks() of {name} raised {e!r}") from e
+        if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+            raise ConfigError(f"env: {name} has no tasks (num_tasks() returned {num!r}); a run needs at least one")
+        try:
+            task = env.get_task(0)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"env: get_task(0) of {name} raised {e!r}") from e
+        try:
+            json.dumps(task, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"env: get_task(0) of {name} is not JSON ({type(task).__name__}: {e}); tasks go into checkpoints "
+                "and traces, so they must be plain dicts, lists, strings and numbers"
+            ) from None
+        return num
+    finally:
+        close = getattr(env, "aclose", None)
+        if close is not None:
+            asyncio.run(close())
+
+
 # --------------------------------------------------------------------------- role builders
 
 
@@ -103,6 +168,7 @@ def build_rollouter(cfg: RunConfig, host: PluginHost, plugin_cfgs: dict[str, Any
         seed=cfg.seed,
         on_sample=lambda s: host.notify("ferryman_on_sample_produced", sample=s),
         run_timeout_s=cfg.rollout.run_timeout_s,
+        failures=cfg.rollout.failures,
     )
 
 
@@ -303,7 +369,7 @@ async def _train_while_rolling_out(train: asyncio.Future, rollout: asyncio.Futur
     finished (every sample admitted) leaves the trainer to train what is queued."""
     await asyncio.wait({train, rollout}, return_when=asyncio.FIRST_COMPLETED)
     if not train.done() and rollout.done() and not rollout.cancelled() and rollout.exception() is not None:
-        err = rollout.exception()
+        err = _cause(rollout.exception())
         log.error("the Rollouter failed (%r): stopping the trainer", err)
         try:
             await close_queue()
@@ -314,8 +380,22 @@ async def _train_while_rolling_out(train: asyncio.Future, rollout: asyncio.Futur
             train.cancel()
         elif not train.cancelled() and train.exception() is not None:
             log.debug("the trainer stopped with %r", train.exception())
+        if isinstance(err, AgentRunsFailingError):  # the env's (or engines') fault, told as such
+            raise RollouterDiedError(f"{err}\nthe run stopped") from err
         raise RollouterDiedError(f"the Rollouter failed ({err.__class__.__name__}: {err}); the run stopped") from err
-    return await train
+    try:
+        return await train
+    except Exception as e:
+        cause = _cause(e)
+        if isinstance(cause, RunDiedError) and cause is not e:  # from a Ray actor: told plainly
+            raise type(cause)(str(cause)) from e
+        raise
+
+
+def _cause(err: BaseException) -> BaseException:
+    """The error a Ray actor raised (``RayTaskError.cause``), or ``err`` itself."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BaseException) else err
 
 
 async def _run_inline(
@@ -431,6 +511,17 @@ def _no_uv_run_workers() -> None:
         pass
 
 
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def quiet_ray_auth_warning() -> None:
+    """Ray warns at every ``ray.init`` that token authentication is on (its default for a new
+    local cluster, which ferryman keeps). Not news for each run: shown only with ``-v`` (when
+    ferryman's own INFO messages are shown)."""
+    if not logging.getLogger("ferryman").isEnabledFor(logging.INFO):
+        logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
+
+
 def _resume_point(cfg: RunConfig, resume: str | Path | None) -> tuple[Path | None, int | None]:
     """The checkpoint to resume from and its step. A run directory that has no checkpoint yet
     (the run died before its first one) starts over: ``(None, 0)``."""
@@ -466,9 +557,10 @@ def run(cfg: RunConfig, host: PluginHost | None = None, *, resume: str | Path | 
     if cfg.runtime == "ray" and plugin_cfgs["queue"].type == "local":
         raise ConfigError("queue.type: 'local' lives in one process; with runtime 'ray' use 'ray' (allowed: ray)")
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     quiet_transformers()
     prepare_model(cfg)
+    check_env(cfg, host, plugin_cfgs)  # before the run directory, Ray or any engine exists
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     host.notify("ferryman_on_run_start", config=cfg, run_dir=str(run_dir))
     trace.configure(run_dir, cfg.trace.level, proc="driver")
@@ -485,6 +577,7 @@ def run(cfg: RunConfig, host: PluginHost | None = None, *, resume: str | Path | 
             import ray
 
             _no_uv_run_workers()
+            quiet_ray_auth_warning()
             started = not ray.is_initialized()
             if started:
                 ray.init(
@@ -502,7 +595,11 @@ def run(cfg: RunConfig, host: PluginHost | None = None, *, resume: str | Path | 
                     ray.shutdown()
     except RunDiedError as e:
         latest = latest_checkpoint(cfg)
-        summary["error"] = f"{e}; resume from {latest or '(no checkpoint yet)'} with: ferryman train --resume {run_dir}"
+        if latest is not None:
+            fix = "once the cause is fixed, " if isinstance(e, TrainingStalledError) or isinstance(e.__cause__, AgentRunsFailingError) else ""
+            summary["error"] = f"{e}; {fix}resume from {latest} with: ferryman train --resume {run_dir}"
+        else:
+            summary["error"] = f"{e}; no checkpoint was saved (checkpoint.every_steps), so a new run starts from the beginning"
         raise type(e)(summary["error"]) from e
     finally:
         summary["wall_s"] = time.time() - t0

@@ -235,11 +235,17 @@ def load(run_dir: str | Path) -> Timeline:
 
 def stats(tl: Timeline, start: float | None = None, end: float | None = None, *, skip_steps: int = 1) -> dict[str, Any]:
     """Numbers over ``[start, end]`` (absolute ``time.time()`` values). Default range: from the
-    end of local step ``skip_steps`` (warm-up excluded) to the end of the last step."""
+    end of local step ``skip_steps`` (warm-up excluded) to the end of the last step.
+
+    ``steps``, ``samples`` and ``syncs`` count what falls in the range (the rates' basis);
+    ``trace_steps``, ``trace_samples`` and ``trace_syncs`` count the whole trace, and
+    ``warmup_steps`` says how many first steps the default range left out."""
+    skipped = 0
     if start is None or end is None:
         if not tl.steps:
             raise ValueError("the trace has no trainer steps")
         k = min(skip_steps, len(tl.steps) - 1)
+        skipped = max(k, 0) if start is None else 0
         lo = tl.steps[k - 1].end if k > 0 else tl.t0
         hi = tl.steps[-1].end
         start = lo if start is None else start
@@ -292,6 +298,10 @@ def stats(tl: Timeline, start: float | None = None, end: float | None = None, *,
         "sync_mean_s": statistics.fmean(b.end - b.start for b in syncs) if syncs else 0.0,
         "sync_steps_mean_s": {k: statistics.fmean(v) for k, v in sorted(sync_steps.items())},
         "queue_len_mean": qarea / span,
+        "warmup_steps": skipped,
+        "trace_steps": len(tl.steps),
+        "trace_samples": sum(int(a["samples"]) for a in tl.train_args),
+        "trace_syncs": len(tl.syncs),
     }
 
 

@@ -17,6 +17,7 @@ from ferryman import algorithms as algo
 from ferryman import metrics as fm
 from ferryman import trace
 from ferryman.batch import TrainBatch, build_train_batch
+from ferryman.checkpoint import TrainingStalledError
 from ferryman.config import AlgorithmConfig, RunConfig
 from ferryman.faults import hit
 from ferryman.protocols import Queue, TrainerBackend
@@ -74,6 +75,9 @@ class Trainer:
         """Takes the next local step's samples while this one trains (same window only)."""
         self._publish: asyncio.Task[None] | None = None
         """Reports the previous step's metrics while this one runs."""
+        self.nonfinite_grad_steps = 0
+        """Steps whose gradient norm was not finite (the backend skipped their update)."""
+        self._nonfinite_streak = 0
 
     async def fit(self) -> list[dict[str, Any]]:
         try:
@@ -109,6 +113,7 @@ class Trainer:
             self._fit_compute_advantage(batch, m)
             await asyncio.to_thread(self._fit_update_critic, batch, m)
             await asyncio.to_thread(self._fit_update_actor, batch, m)
+            self._check_gradients(m)
             trained_version = self.current_param_version
             self._staleness_metrics(batch, samples, m)
             train_s = time.monotonic() - t_train
@@ -149,7 +154,30 @@ class Trainer:
                 await self.checkpointer.after_step()
                 if self.stop_requested and self.local_trigger_step == 0:
                     break
+        if self.step_records and self.nonfinite_grad_steps == len(self.step_records):
+            raise TrainingStalledError(
+                f"every one of the {len(self.step_records)} trainer steps had a non-finite gradient norm and was "
+                "skipped: the run trained nothing (look for non-finite rewards, log-probs or weights)"
+            )
         return self.step_records
+
+    def _check_gradients(self, m: dict[str, float]) -> None:
+        """Count a step whose gradient norm is not finite (its update was skipped); stop the
+        run after ``training.max_nonfinite_grad_steps`` of them in a row."""
+        bad = {k: m[k] for k in ("actor/grad_norm", "critic/grad_norm") if k in m and not math.isfinite(m[k])}
+        if not bad:
+            self._nonfinite_streak = 0
+        else:
+            self.nonfinite_grad_steps += 1
+            self._nonfinite_streak += 1
+        m["trainer/nonfinite_grad_steps"] = float(self.nonfinite_grad_steps)
+        limit = self.cfg.training.max_nonfinite_grad_steps
+        if self._nonfinite_streak >= limit:
+            raise TrainingStalledError(
+                f"{self._nonfinite_streak} trainer steps in a row (up to step {self.global_step + 1}) had a non-finite "
+                f"gradient norm ({', '.join(f'{k}={v}' for k, v in bad.items())}) and were skipped: the run trains "
+                f"nothing (limit training.max_nonfinite_grad_steps={limit}; look for non-finite rewards, log-probs or weights)"
+            )
 
     @property
     def pending_samples(self) -> list[Sample]:

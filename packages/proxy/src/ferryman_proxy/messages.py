@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,60 @@ from ferryman_proxy._fast import loads
 from ferryman_proxy.errors import ProxyError, bad_request
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+MAX_DEPTH = 64
+"""Deepest nesting accepted in tool-call arguments and tool parameter schemas: the chat
+template renders them recursively (and Python's recursion limit is about 1000)."""
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def lone_surrogate_at(raw: bytes, body: Any) -> str | None:
+    """Where (``messages[0].content``) the decoded body holds a string with a lone surrogate,
+    or None. Only JSON escapes can make one, so the walk runs only when the raw bytes have a
+    ``\\uD8xx``..``\\uDFxx`` escape (a valid pair, such as an emoji, is not lone)."""
+    if _SURROGATE_ESCAPE.search(raw) is None:
+        return None
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return path or "<body>"
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                key = k if _is_text(k) else repr(k)
+                if key is not k:
+                    return f"{path}.{key}" if path else key
+                stack.append((v, f"{path}.{k}" if path else k))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+    return None
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether ``value`` nests lists/objects deeper than ``limit`` (iteratively: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict):
+            items: Any = v.values()
+        elif isinstance(v, list):
+            items = v
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((x, depth + 1) for x in items)
+    return False
 
 
 def _content(value: Any, where: str, *, allow_none: bool) -> str:
@@ -60,16 +115,50 @@ def _content(value: Any, where: str, *, allow_none: bool) -> str:
 
 def _arguments(value: Any, where: str) -> Any:
     if isinstance(value, dict):
+        if _too_deep(value):
+            raise bad_request(f"{where} nests deeper than {MAX_DEPTH} levels", param=where)
         return value
     if value is None:
         return {}
     if isinstance(value, str):
         try:
             parsed = loads(value) if value.strip() else {}
+        except RecursionError:
+            raise bad_request(f"{where} nests deeper than {MAX_DEPTH} levels", param=where) from None
         except ValueError:
-            return value  # kept as given; a template that needs an object refuses it when rendering
+            return value  # not JSON: kept as given and rendered verbatim (counted: unparsed_arguments)
+        if isinstance(parsed, (dict, list)) and _too_deep(parsed):
+            raise bad_request(f"{where} nests deeper than {MAX_DEPTH} levels", param=where)
         return parsed if isinstance(parsed, dict) else value
     raise bad_request(f"{where} must be a JSON string or an object", param=where)
+
+
+_SCHEMA_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    """What OpenAI's API checks of a function's ``parameters`` before anything runs: a JSON
+    schema object of ``type: "object"`` whose ``properties`` (if any) are schema objects and
+    whose ``required`` (if any) lists strings; nothing nested deeper than :data:`MAX_DEPTH`."""
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where} must be a JSON schema object", param=where)
+    if _too_deep(schema):
+        raise bad_request(f"{where} nests deeper than {MAX_DEPTH} levels", param=where)
+    kind = schema.get("type", "object")
+    if kind != "object":
+        raise bad_request(f"{where}: a function's parameters must be a JSON schema of type 'object', got type {kind!r}", param=where)
+    props = schema.get("properties", {})
+    if not isinstance(props, dict):
+        raise bad_request(f"{where}.properties must be an object mapping names to schemas", param=where)
+    for name, sub in props.items():
+        if not isinstance(sub, dict):
+            raise bad_request(f"{where}.properties.{name} must be a JSON schema object", param=where)
+        t = sub.get("type")
+        if t is not None and not (t in _SCHEMA_TYPES if isinstance(t, str) else isinstance(t, list) and all(x in _SCHEMA_TYPES for x in t)):
+            raise bad_request(f"{where}.properties.{name}.type: {t!r} is not a JSON schema type", param=where)
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise bad_request(f"{where}.required must be a list of property names", param=where)
 
 
 def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
@@ -137,6 +226,28 @@ def normalize_message(msg: Any, i: int) -> dict[str, Any]:
     return out
 
 
+def history_notes(messages: list[dict[str, Any]], start: int = 0) -> dict[str, int]:
+    """What is imperfect, but accepted, in ``messages[start:]`` (normalised): a tool message
+    whose ``tool_call_id`` is missing or matches no call of the assistant message before it
+    (``tool_call_id_mismatches``), and tool-call arguments that are not a JSON object, kept as
+    the string the agent sent (``unparsed_arguments``)."""
+    mismatches = unparsed = 0
+    ids: set[str] = set()
+    for i, m in enumerate(messages):
+        role = m["role"]
+        if role == "assistant":
+            calls = m.get("tool_calls", ())
+            ids = {c["id"] for c in calls if "id" in c}
+            if i >= start:
+                unparsed += sum(1 for c in calls if isinstance(c["function"]["arguments"], str))
+        elif role == "tool":
+            if i >= start and m.get("tool_call_id") not in ids:
+                mismatches += 1
+        else:
+            ids = set()
+    return {"tool_call_id_mismatches": mismatches, "unparsed_arguments": unparsed}
+
+
 def message_key(msg: dict[str, Any]) -> Any:
     """What must stay equal for a message in the history to count as unchanged."""
     if msg["role"] == "assistant":
@@ -169,8 +280,8 @@ def normalize_tools(value: Any) -> list[dict[str, Any]] | None:
         if name in names:
             raise bad_request(f"{w}.function.name: duplicate tool {name!r}", param=f"{w}.function.name")
         names.add(name)
-        if "parameters" in fn and fn["parameters"] is not None and not isinstance(fn["parameters"], dict):
-            raise bad_request(f"{w}.function.parameters must be a JSON schema object", param=f"{w}.function.parameters")
+        if fn.get("parameters") is not None:
+            _check_schema(fn["parameters"], f"{w}.function.parameters")
         if "description" in fn and fn["description"] is not None and not isinstance(fn["description"], str):
             raise bad_request(f"{w}.function.description must be a string", param=f"{w}.function.description")
     return value

@@ -5,8 +5,10 @@ Routes (``{secret}`` is a session's unguessable id; nothing lists sessions):
 * ``POST /sess/{secret}/v1/chat/completions``
 * ``GET  /sess/{secret}/v1/models`` and ``GET /sess/{secret}/v1/models/{model}``
 
-Everything else is 404, a wrong method 405, a body over ``max_body_bytes`` 413, each with an
-``{"error": {...}}`` body. Answers follow OpenAI's chat-completion format plus vLLM's
+Everything else is 404, a wrong method 405, a body over ``max_body_bytes`` 413 (after
+decompression: ``Content-Encoding`` ``gzip`` and ``deflate`` are read, any other is a 415), each
+with an ``{"error": {...}}`` body; no input gets a 5xx (a 5xx is a fault of the proxy or the
+engines, counted in ``errors_5xx``). Answers follow OpenAI's chat-completion format plus vLLM's
 extensions: with ``"return_token_ids": true`` the response carries ``prompt_token_ids`` (the
 whole prompt of this turn) and the choice ``token_ids`` (the tokens the model produced);
 ``"logprobs": true`` gives ``choices[0].logprobs.content[i].logprob`` for each of those tokens.
@@ -31,6 +33,7 @@ import asyncio
 import logging
 import secrets
 import time
+import zlib
 from collections import deque
 from typing import Any
 
@@ -43,7 +46,7 @@ from ferryman.types import SamplingParams, TokenOutput
 from ferryman_proxy._fast import dumpb, loads, random_hex
 from ferryman_proxy.config import ProxyConfig
 from ferryman_proxy.errors import ProxyError, bad_request
-from ferryman_proxy.messages import parse_chat_request
+from ferryman_proxy.messages import lone_surrogate_at, parse_chat_request
 from ferryman_proxy.parsers import get_parser
 from ferryman_proxy.session import Session, SessionResult, TurnResult
 from ferryman_proxy.streaming import IncrementalDecoder, content_limit
@@ -77,7 +80,31 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return _error_response(e.status, e.reason or "error", type=_STATUS_TYPES.get(e.status, "invalid_request_error"))
     except Exception:  # noqa: BLE001 - never a traceback to the agent
         log.exception("proxy: unhandled error on %s %s", request.method, request.path)
+        request.app[_SERVER_KEY].counters["errors_5xx"] += 1
         return _error_response(500, "internal proxy error", type="server_error")
+
+
+def _decompress(raw: bytes, encoding: str, limit: int) -> bytes:
+    """The body in ``Content-Encoding`` ``encoding``, decoded, at most ``limit`` bytes (a
+    small body must not inflate past the size limit); a 4xx for anything else."""
+    enc = encoding.strip().lower()
+    if enc in ("", "identity"):
+        return raw
+    if enc not in ("gzip", "x-gzip", "deflate"):
+        raise ProxyError(415, f"Content-Encoding {encoding!r} is not supported (send gzip, deflate or none)", code="unsupported_content_encoding")
+    # gzip: a gzip header; deflate: zlib-wrapped, or (as some clients send) raw
+    candidates = (16 + zlib.MAX_WBITS,) if enc != "deflate" else (zlib.MAX_WBITS, -zlib.MAX_WBITS)
+    for wbits in candidates:
+        d = zlib.decompressobj(wbits)
+        try:
+            out = d.decompress(raw, limit + 1)
+        except zlib.error:
+            continue
+        if len(out) > limit:
+            raise ProxyError(413, f"request body too large after decompression (limit {limit} bytes)", code="request_too_large")
+        if d.eof and not d.unused_data:
+            return out
+    raise bad_request(f"the request body is not valid {enc} data (Content-Encoding: {encoding})")
 
 
 class ProxyServer:
@@ -124,7 +151,9 @@ class ProxyServer:
         app.router.add_post("/sess/{secret}/v1/chat/completions", self._chat)
         app.router.add_get("/sess/{secret}/v1/models", self._models)
         app.router.add_get("/sess/{secret}/v1/models/{model:.+}", self._model)
-        runner = web.AppRunner(app, access_log=None)
+        # the body is decompressed by the handler (_decompress): aiohttp's own decoding answers
+        # a body that is not what its Content-Encoding says with a 500 or a plain-text 400
+        runner = web.AppRunner(app, access_log=None, auto_decompress=False)
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.port)
         await site.start()
@@ -221,10 +250,16 @@ class ProxyServer:
             sess = self._session(request)
             raw = await request.read()
             t_body, c_body = time.perf_counter(), time.thread_time()
+            encoding = request.headers.get("Content-Encoding")
+            if encoding:
+                raw = _decompress(raw, encoding, self.config.max_body_bytes)
             try:
                 body = loads(raw)
             except (ValueError, RecursionError) as e:
                 raise bad_request(f"the request body is not valid JSON: {e}") from None
+            where = lone_surrogate_at(raw, body)
+            if where is not None:  # JSON can escape one (\ud800); no tokenizer can encode it
+                raise bad_request(f"{where} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape), which is not text", param=where)
             req = parse_chat_request(body, self.config.model_name, sess.known)
             if req.stream and self.config.live_streaming and sess.client is not None and accepts_on_tokens(sess.client):
                 return await self._stream_live(request, req, sess, t_body, c_body)

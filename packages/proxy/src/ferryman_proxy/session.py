@@ -29,7 +29,7 @@ from ferryman.types import SamplingParams, TokenOutput, Trajectory
 
 from ferryman_proxy.config import ProxyConfig
 from ferryman_proxy.errors import ProxyError
-from ferryman_proxy.messages import ChatRequest, KnownHistory, message_key
+from ferryman_proxy.messages import ChatRequest, KnownHistory, history_notes, message_key
 from ferryman_proxy.parsers import ParsedOutput, ToolParser
 from ferryman_proxy.tokenization import ChatTokenizer, NotIncremental
 
@@ -162,6 +162,8 @@ class Session:
             "completion_tokens": 0,
             "full_retokenizations": 0,
             "stop_string_cuts": 0,
+            "tool_call_id_mismatches": 0,
+            "unparsed_arguments": 0,
             "tokenize_s": 0.0,
             "tokenize_cpu_s": 0.0,
             "engine_s": 0.0,
@@ -401,6 +403,9 @@ class Session:
 
         # ---- commit: from here on nothing can fail
         seg = self._current
+        first_new = {"new": 0, "extend": len(seg.keys) if seg is not None else 0}.get(plan.kind, len(req.messages))
+        for key, n in history_notes(req.messages, first_new).items():
+            self.counters[key] += n
         if plan.kind == "new":
             if seg is not None:
                 self._done.append(seg)

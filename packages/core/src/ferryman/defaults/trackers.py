@@ -27,7 +27,8 @@ class JsonlTrackerConfig(PluginConfig):
 
 
 class JsonlTracker:
-    """Appends one line per step. ``resume_step``: a run resumed from the checkpoint of that
+    """Appends one line per step: a JSON object (a non-finite value is written as ``null`` and
+    counted in ``metrics/nonfinite``, as JSON has no NaN). ``resume_step``: a run resumed from the checkpoint of that
     step; lines of later steps (logged before a crash, about to be redone) are dropped first."""
 
     def __init__(self, path: Path, resume_step: int | None = None) -> None:
@@ -47,12 +48,29 @@ class JsonlTracker:
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self._f is None:
             raise RuntimeError("JsonlTracker: log() after close()")
-        self._f.write(json.dumps({"step": step, "time": time.time(), **metrics}, sort_keys=True) + "\n")
+        row: dict[str, Any] = {"step": step, "time": time.time()}
+        bad = 0
+        for k, v in metrics.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                v, bad = None, bad + 1  # JSON has no NaN or Infinity: null, and counted
+            row[k] = v
+        if bad:
+            row["metrics/nonfinite"] = bad
+        self._f.write(json.dumps(row, sort_keys=True, allow_nan=False, default=_plain) + "\n")
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+def _plain(v: Any) -> Any:
+    """numpy and torch scalars as Python numbers (non-finite as null)."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    return x if math.isfinite(x) else None
 
 
 def _step_of(line: str) -> int:
@@ -68,23 +86,40 @@ class ConsoleTrackerConfig(PluginConfig):
         default_factory=lambda: ["reward/mean", "response/length_mean", "staleness/token_mean", "sync/total_s", "timing/step_s"]
     )
     """Metrics shown on each progress line (when present)."""
+    counts: bool = True
+    """Also show the agent runs failed and the samples dropped so far (``failed=``,
+    ``dropped=``) and the steps skipped for a non-finite gradient (``nonfinite_steps=``)."""
+
+
+COUNT_KEYS = {
+    "rollouter/failed_trajectories": "failed",
+    "rollouter/dropped_samples": "dropped",
+    "trainer/nonfinite_grad_steps": "nonfinite_steps",
+}
+"""Counters the console line shows as whole numbers under a short name."""
 
 
 class ConsoleTracker:
-    def __init__(self, keys: list[str], stream: TextIO | None = None) -> None:
+    def __init__(self, keys: list[str], stream: TextIO | None = None, counts: bool = True) -> None:
         self.keys = keys
         self.stream = stream or sys.stdout
+        self.counts = counts
         self._t0 = time.monotonic()
 
     @classmethod
     def from_config(cls, config: ConsoleTrackerConfig, **_: Any) -> ConsoleTracker:
-        return cls(config.keys)
+        return cls(config.keys, counts=config.counts)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         parts = [f"step {step:4d}", f"t={time.monotonic() - self._t0:7.1f}s"]
         for k in self.keys:
             if k in metrics:
                 parts.append(f"{k}={metrics[k]:.3f}")
+        if self.counts:
+            for k, label in COUNT_KEYS.items():
+                v = metrics.get(k)
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    parts.append(f"{label}={int(v)}")
         print("  ".join(parts), file=self.stream, flush=True)
 
     def close(self) -> None:
