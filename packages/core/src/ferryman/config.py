@@ -33,6 +33,10 @@ class PluginConfig(Strict):
     type: str
 
 
+TinyPreset = Literal["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-1.7b"]
+"""The names of ``ferryman.tiny.SHAPE_PRESETS`` (a test keeps the two in step)."""
+
+
 class ModelConfig(Strict):
     path: str = "runs/tiny-model"
     """A transformers model directory (config, weights, tokenizer, chat template)."""
@@ -46,7 +50,38 @@ class ModelConfig(Strict):
     tiny_init_std: float = Field(0.02, gt=0)
     """Standard deviation of the random initial weights."""
     tiny_max_positions: int = Field(512, ge=16)
-    """Context length of the tiny model (the transformers engine refuses longer prompts)."""
+    """Context length of the tiny model (the transformers engine refuses longer prompts); with
+    ``tiny_preset``, the preset's unless set."""
+    tiny_preset: TinyPreset | None = None
+    """Build the model with the shape of a released model (``ferryman.tiny.SHAPE_PRESETS``:
+    hidden, MLP, heads, KV heads, rope base, tied embeddings of e.g. Qwen2.5-0.5B) and random
+    weights; the vocabulary stays the tiny tokenizer's. ``tiny_num_layers``, when set, shrinks
+    the layer count; ``tiny_hidden_size`` cannot be combined with it."""
+    tiny_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the stored weights of a ``tiny_preset`` model."""
+
+    @model_validator(mode="after")
+    def preset_fixes_the_shape(self) -> ModelConfig:
+        if self.tiny_preset is None:
+            if self.tiny_dtype != "float32":
+                raise ValueError("tiny_dtype: only a tiny_preset model is stored in another dtype than float32")
+            return self
+        if "tiny_hidden_size" in self.model_fields_set:
+            raise ValueError(f"tiny_hidden_size: tiny_preset {self.tiny_preset!r} fixes the hidden size; set only tiny_num_layers to shrink it")
+        return self
+
+    def tiny_build_kwargs(self, seed: int) -> dict[str, Any]:
+        """Keyword arguments of :func:`ferryman.tiny.build_tiny_model` for this section."""
+        kw: dict[str, Any] = dict(vocab_size=self.tiny_vocab_size, init_std=self.tiny_init_std, seed=seed)
+        if self.tiny_preset is None:
+            kw.update(hidden_size=self.tiny_hidden_size, num_layers=self.tiny_num_layers, max_positions=self.tiny_max_positions)
+            return kw
+        kw.update(preset=self.tiny_preset, dtype=self.tiny_dtype)
+        if "tiny_num_layers" in self.model_fields_set:
+            kw["num_layers"] = self.tiny_num_layers
+        if "tiny_max_positions" in self.model_fields_set:
+            kw["max_positions"] = self.tiny_max_positions
+        return kw
 
 
 class RolloutConfig(Strict):

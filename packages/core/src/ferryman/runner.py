@@ -68,15 +68,7 @@ def prepare_model(cfg: RunConfig) -> None:
     if cfg.model.build_tiny:
         from ferryman.tiny import build_tiny_model
 
-        build_tiny_model(
-            path,
-            vocab_size=cfg.model.tiny_vocab_size,
-            hidden_size=cfg.model.tiny_hidden_size,
-            num_layers=cfg.model.tiny_num_layers,
-            init_std=cfg.model.tiny_init_std,
-            max_positions=cfg.model.tiny_max_positions,
-            seed=cfg.seed,
-        )
+        build_tiny_model(path, **cfg.model.tiny_build_kwargs(cfg.seed))
     elif not (path / "config.json").is_file():
         raise ConfigError(f"model.path: {str(path)!r} is not a model directory (no config.json); set model.build_tiny=true to build a tiny one")
 
