@@ -130,6 +130,8 @@ def build_trainer(
         cfg.checkpoint, run_dir=cfg.run_dir, backend=backend, queue=queue, synchronizer=synchronizer, rollouter=rollouter
     )
 
+    generated = GeneratedTokens()
+
     async def on_metrics(step: int, metrics: dict[str, float]) -> None:
         if step % cfg.log_every:
             return
@@ -137,11 +139,14 @@ def build_trainer(
         async def ask(source: Any) -> dict[str, float]:
             return await source()
 
-        for result in await asyncio.gather(*(ask(source) for source in stats_sources), return_exceptions=True):
+        sources = [*stats_sources, lambda: engine_memory(synchronizer.engines)]
+        for result in await asyncio.gather(*(ask(source) for source in sources), return_exceptions=True):
             if isinstance(result, BaseException):  # stats are best effort
                 log.debug("stats source failed: %r", result)
             else:
                 metrics.update(result)
+        metrics.update(generated.rates(metrics))
+        trainer.report.update(metrics)
         for tracker in trackers:
             tracker.log(metrics, step)
 
@@ -156,6 +161,38 @@ def build_trainer(
         checkpointer=checkpointer,
     )
     return trainer, trackers
+
+
+class GeneratedTokens:
+    """Generated tokens/s from the Rollouter's counters (``rollouter/generated_tokens`` and
+    ``rollouter/elapsed_s``, both on the Rollouter's clock): ``perf/generated_tokens_per_s`` since
+    the previous report, ``perf/generated_tokens_per_s_avg`` over the run."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float] | None = None
+
+    def rates(self, metrics: dict[str, float]) -> dict[str, float]:
+        tokens, elapsed = metrics.get("rollouter/generated_tokens"), metrics.get("rollouter/elapsed_s")
+        if tokens is None or elapsed is None or elapsed <= 0:
+            return {}
+        out = {"perf/generated_tokens_per_s_avg": tokens / elapsed}
+        if self._last is not None and elapsed > self._last[1] and tokens >= self._last[0]:
+            out["perf/generated_tokens_per_s"] = (tokens - self._last[0]) / (elapsed - self._last[1])
+        else:  # the first report (or a Rollouter restored from a checkpoint): the run so far
+            out["perf/generated_tokens_per_s"] = out["perf/generated_tokens_per_s_avg"]
+        self._last = (tokens, elapsed)
+        return out
+
+
+async def engine_memory(engines: list[Any]) -> dict[str, float]:
+    """Each replica's peak memory (``memory/engine_rss_peak_gb/<replica>``, and
+    ``memory/engine_device_peak_gb/<replica>`` on a GPU); replicas that do not answer are left out."""
+    results = await asyncio.gather(*(asyncio.wait_for(e.peak_memory(), 10) for e in engines), return_exceptions=True)
+    out: dict[str, float] = {}
+    for e, r in zip(engines, results):
+        if isinstance(r, dict):
+            out.update({f"memory/{k}/{e.name}": float(v) for k, v in r.items()})
+    return out
 
 
 # --------------------------------------------------------------------------- Ray actors
@@ -265,6 +302,7 @@ class TrainerActor:
             "checkpoints": ck.saved if ck else [],
             "resumed": ck.restored if ck else None,
             "lost_replicas": self.trainer.synchronizer.lost,
+            "report": self.trainer.report.summary(),
         }
 
 
@@ -362,6 +400,7 @@ async def _run_inline(
         "checkpoints": ck.saved,
         "resumed": ck.restored,
         "lost_replicas": trainer.synchronizer.lost,
+        "report": trainer.report.summary(),
     }
 
 
