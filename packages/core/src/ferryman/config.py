@@ -94,7 +94,13 @@ class RolloutConfig(Strict):
     """Engine replicas (= rollout GPUs / tensor parallel size)."""
     num_gpus_per_replica: float = Field(0.0, ge=0.0)
     """GPUs each engine replica's Ray actor reserves (e.g. the tensor-parallel size for vLLM);
-    0 for CPU engines."""
+    0 for CPU engines. A fraction below 1 shares a GPU (with other replicas, or with the
+    Trainer: ``trainer_num_gpus``); above 1 it must be a whole number (Ray's rule)."""
+
+    @field_validator("num_gpus_per_replica")
+    @classmethod
+    def _ray_gpu_amount(cls, v: float) -> float:
+        return check_gpu_amount(v)
     max_concurrency_per_replica: int = Field(16, ge=1)
     """Trajectories each replica serves at once (VeRL's ``concurrent_samples_per_replica``)."""
     total_rollout_steps: int | None = Field(None, ge=1)
@@ -242,6 +248,14 @@ class RunConfig(Strict):
     ``inline``: all of them on one asyncio loop in this process (tests, debugging); the queue is
     then always the in-process ``local`` queue, whatever ``queue.type`` says (logged)."""
     ray_num_cpus: int | None = None
+    ray_num_gpus: int | None = Field(None, ge=0)
+    """GPUs the local Ray instance has (default: those Ray detects). When set, the GPU shares of
+    the engine replicas and the Trainer must fit them (checked here, before anything starts)."""
+    trainer_num_gpus: float = Field(0.0, ge=0.0)
+    """GPUs the Trainer's Ray actor reserves (``runtime: ray``); a trainer backend running one
+    rank in it (``trainer.num_workers: 1``) uses them. A fraction below 1 shares the GPU with
+    engine replicas (``rollout.num_gpus_per_replica``), e.g. the vLLM engine and the FSDP
+    trainer on one H200 with ``weight_sync: {type: cuda_ipc}``; above 1 it must be whole."""
     engine_threads: int = Field(1, ge=1)
     """torch threads per engine replica."""
     trainer_threads: int = Field(1, ge=1)
@@ -249,6 +263,23 @@ class RunConfig(Strict):
     log_every: int = Field(1, ge=1)
     trace: TraceConfig = Field(default_factory=TraceConfig)
     """The event trace in ``RUN_DIR/trace/`` (see :mod:`ferryman.trace`)."""
+
+    @field_validator("trainer_num_gpus")
+    @classmethod
+    def _trainer_gpu_amount(cls, v: float) -> float:
+        return check_gpu_amount(v)
+
+    @model_validator(mode="after")
+    def gpu_shares_fit(self) -> RunConfig:
+        if self.ray_num_gpus is None:
+            return self
+        demands = [("rollout.num_gpus_per_replica", self.rollout.num_gpus_per_replica)] * self.rollout.num_replicas
+        demands.append(("trainer_num_gpus", self.trainer_num_gpus))
+        problem = pack_gpus([d for _, d in demands], self.ray_num_gpus)
+        if problem:
+            asked = f"{self.rollout.num_replicas} x rollout.num_gpus_per_replica={self.rollout.num_gpus_per_replica:g} + trainer_num_gpus={self.trainer_num_gpus:g}"
+            raise ValueError(f"rollout.num_gpus_per_replica / trainer_num_gpus: {asked} do not fit ray_num_gpus={self.ray_num_gpus} ({problem})")
+        return self
 
     @model_validator(mode="after")
     def checkpoints_at_sync_boundaries(self) -> RunConfig:
@@ -276,6 +307,32 @@ class RunConfig(Strict):
             num_replicas=self.rollout.num_replicas,
             max_concurrency_per_replica=self.rollout.max_concurrency_per_replica,
         )
+
+
+def check_gpu_amount(v: float) -> float:
+    """Ray's rule for a GPU request: a fraction below 1 (a share of one GPU) or a whole number."""
+    if v > 1 and v != int(v):
+        raise ValueError(f"{v:g} GPUs: a request above 1 must be a whole number of GPUs (a fraction shares one GPU only)")
+    return v
+
+
+def pack_gpus(demands: list[float], num_gpus: int) -> str | None:
+    """Whether Ray can place actors asking for ``demands`` GPUs each on ``num_gpus`` GPUs: whole
+    requests take whole GPUs, fractions share a GPU up to 1 (placed first-fit, largest first,
+    as Ray packs fractions onto the fullest GPU that still has room). Returns what does not fit,
+    or None."""
+    whole = sum(int(d) for d in demands if d >= 1)
+    if whole > num_gpus:
+        return f"the whole-GPU requests alone take {whole}"
+    free = [1.0] * (num_gpus - whole)
+    for d in sorted((d for d in demands if 0 < d < 1), reverse=True):
+        fits = [i for i, f in enumerate(free) if f + 1e-9 >= d]
+        if not fits:
+            total = sum(d for d in demands if 0 < d < 1)
+            return f"the shares below 1 add up to {total:g} and cannot be packed onto the {len(free) or 'no'} GPU(s) left"
+        best = min(fits, key=lambda i: free[i])
+        free[best] -= d
+    return None
 
 
 def compute_funnel(

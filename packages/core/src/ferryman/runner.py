@@ -417,7 +417,8 @@ async def _run_ray(
     )
     await asyncio.gather(*(e.start() for e in engines))
     rollouter = ray.remote(num_cpus=0, max_concurrency=1000)(RolloutActor).remote(cfg, queue, engines)
-    trainer = ray.remote(num_cpus=0, max_concurrency=100)(TrainerActor).remote(cfg, queue, engines, rollouter, resume_step)
+    trainer_cls = ray.remote(num_cpus=0, num_gpus=cfg.trainer_num_gpus, max_concurrency=100)(TrainerActor)
+    trainer = trainer_cls.remote(cfg, queue, engines, rollouter, resume_step)
     remove_handler = _on_sigterm(cfg, lambda: trainer.request_stop.remote())
     fit_ref = None
     try:
@@ -515,8 +516,10 @@ def run(cfg: RunConfig, host: PluginHost | None = None, *, resume: str | Path | 
             _no_uv_run_workers()
             started = not ray.is_initialized()
             if started:
+                gpus = {} if cfg.ray_num_gpus is None else {"num_gpus": cfg.ray_num_gpus}
                 ray.init(
                     num_cpus=cfg.ray_num_cpus or os.cpu_count() or 1,
+                    **gpus,
                     include_dashboard=False,
                     logging_level=logging.WARNING,
                     runtime_env={

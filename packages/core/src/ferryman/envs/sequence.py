@@ -14,10 +14,13 @@ Patterns (``pattern``):
 * ``copy``: "Copy 3 1 4 1 5 9 …" → ``314159…``. Needs copying from the prompt at every position
   (attention over the prompt), the hardest of the three.
 
-Reward (partial credit, order matters): ``LCS(answer, target) / max(len(answer), len(target))``
-over the characters of the answer (stripped) and of the target, where LCS is the longest common
-subsequence. The exact answer scores 1; every missing, wrong or extra character costs, and a
-digit out of order counts only once in order. ``sequence/exact`` (1 for the exact answer) and
+Reward (partial credit, in order): the share of the target's positions that the answer
+reproduces, ``matches / max(len(answer), len(target))`` over characters (the answer stripped),
+where ``matches`` counts the positions at which the answer has the target's character. The exact
+answer scores 1; every missing, wrong or extra character costs ``1 / length``; random digits
+score about 0.1, so the reward rises only as the policy learns the sequence. (A longest-common-
+subsequence score was tried first: random digits already get ~0.4 of it, and a tiny model
+plateaued there.) ``sequence/exact`` (1 for the exact answer) and
 ``sequence/prefix`` (the share of the target matched from the start) are reported per run.
 """
 
@@ -45,27 +48,16 @@ class SequenceEnvConfig(PluginConfig):
     """What the target is (see the module docstring)."""
 
 
-def lcs_length(a: str, b: str) -> int:
-    """Length of the longest common subsequence of ``a`` and ``b`` (O(len(a)·len(b)) time,
-    O(len(b)) memory)."""
-    if not a or not b:
-        return 0
-    prev = [0] * (len(b) + 1)
-    for ch in a:
-        cur = [0]
-        for j, bj in enumerate(b):
-            cur.append(prev[j] + 1 if ch == bj else max(prev[j + 1], cur[j]))
-        prev = cur
-    return prev[-1]
-
-
 def score_sequence(text: str, target: str) -> float:
-    """``LCS(answer, target) / max(len(answer), len(target))`` with the answer stripped of
-    surrounding whitespace: 1.0 only for the exact target."""
+    """``matches / max(len(answer), len(target))``, where ``matches`` counts the positions at
+    which the answer (stripped of surrounding whitespace) has the target's character: 1.0 only
+    for the exact target; a missing, wrong or extra character costs ``1 / len(target)`` (an
+    extra one by lengthening the denominator); random digits score about 0.1."""
     answer = text.strip()
     if not target:
         raise ValueError("score_sequence: empty target")
-    return lcs_length(answer, target) / max(len(answer), len(target))
+    matches = sum(1 for a, t in zip(answer, target) if a == t)
+    return matches / max(len(answer), len(target))
 
 
 def common_prefix(a: str, b: str) -> int:
@@ -147,6 +139,6 @@ def ferryman_register_envs() -> list[EnvSpec]:
     return [
         EnvSpec(
             "sequence", SequenceEnv.from_config, SequenceEnvConfig,
-            "toy task: a 32-digit sequence (count up, repeat, copy), graded by longest common subsequence",
+            "toy task: a 32-digit answer (count up, repeat, copy), graded by the share of positions right",
         )
     ]
