@@ -282,7 +282,7 @@ def test_presets_match_the_config_literal():
     [
         # numbers of the released config.json files (hidden, MLP, heads, kv heads, tied, head_dim)
         ("qwen2.5-0.5b", "Qwen2ForCausalLM", (896, 4864, 14, 2, True, 64)),
-        ("qwen3-1.7b", "Qwen3ForCausalLM", (2048, 6144, 16, 8, True, 128)),
+        # (qwen3-1.7b: test_cli_tiny_model_preset)
     ],
 )
 def test_preset_shrunk_to_one_layer_has_the_real_width(tmp_path, preset, cls, expect):
@@ -341,3 +341,20 @@ def test_model_config_preset_fields():
         load_config(None, ["model.tiny_preset=qwen2.5-0.5b", "model.tiny_hidden_size=128"])
     with pytest.raises(ConfigError, match="model.tiny_preset"):
         load_config(None, ["model.tiny_preset=qwen9"])
+
+
+def test_cli_tiny_model_preset(tmp_path, capsys):
+    from ferryman.cli import main
+
+    assert main(["tiny-model", str(tmp_path / "m"), "--preset", "qwen3-1.7b", "--num-layers", "1", "--dtype", "bfloat16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["preset"] == "qwen3-1.7b" and out["vocab_size"] == 160
+    cfg = transformers.AutoConfig.from_pretrained(tmp_path / "m")
+    got = (cfg.model_type, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    assert got == ("qwen3", 2048, 6144, 16, 8, 128) and cfg.num_hidden_layers == 1 and cfg.tie_word_embeddings
+    assert cfg.dtype in (torch.bfloat16, "bfloat16")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.dtype == torch.bfloat16
+    # a width with a preset is refused with one line, not a traceback
+    assert main(["tiny-model", str(tmp_path / "x"), "--preset", "qwen3-0.6b", "--hidden-size", "64"]) == 2
+    assert "fixes hidden_size" in capsys.readouterr().err
