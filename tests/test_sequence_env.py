@@ -50,6 +50,11 @@ def test_score_by_hand():
     assert score_sequence("0123x56789", target) == 9 / 10  # one wrong position
     assert score_sequence("123456789", target) == 0 / 10  # shifted by one: nothing in place
     assert score_sequence("", target) == 0.0
+    # digit_credit: another digit at a position earns that much, a non-digit or an extra nothing
+    assert score_sequence("0123456755", target, digit_credit=0.1) == pytest.approx(8.2 / 10)
+    assert score_sequence("01234567xy", target, digit_credit=0.1) == 8 / 10
+    assert score_sequence("012345678977", target, digit_credit=0.1) == 10 / 12
+    assert score_sequence("9999999999", target, digit_credit=0.5) == pytest.approx((1 + 0.5 * 9) / 10)
     with pytest.raises(ValueError):
         score_sequence("1", "")
 
@@ -91,3 +96,5 @@ def test_config_errors_name_the_field():
         SequenceEnvConfig(length=0)
     with pytest.raises(ValueError, match="pattern"):
         SequenceEnvConfig(pattern="fibonacci")
+    with pytest.raises(ValueError, match="digit_credit"):
+        SequenceEnvConfig(digit_credit=1.0)
