@@ -263,6 +263,16 @@ class _RemoteRollouter:
         await self.actor.quarantine_replica.remote(replica, error)
 
 
+def _gpu_ids() -> list[Any]:
+    """The GPUs Ray gave this actor (``trainer_num_gpus``), for the summary."""
+    import ray
+
+    try:
+        return list(ray.get_gpu_ids())
+    except Exception:  # noqa: BLE001 - a number for the record only
+        return []
+
+
 class TrainerActor:
     def __init__(
         self, cfg: RunConfig, queue: Any, engines: list[EngineHandle], rollouter_actor: Any, resume_step: int | None = None
@@ -303,6 +313,7 @@ class TrainerActor:
             "resumed": ck.restored if ck else None,
             "lost_replicas": self.trainer.synchronizer.lost,
             "report": self.trainer.report.summary(),
+            "trainer_gpu_ids": _gpu_ids(),
         }
 
 
