@@ -4,7 +4,7 @@
 # `sequence` task on a random Qwen2.5-0.5B shape), then its metrics, summary, timeline chart and
 # reward curve into $OUT. One command under 10 minutes, from the repository root:
 #
-#   OUT=/some/dir WHEEL_DIR=.gpuwheels bench/gpu_e2e.sh [dotted overrides ...]
+#   OUT=/some/dir WHEEL_DIR=/root/w bench/gpu_e2e.sh [dotted overrides ...]
 #
 # e.g. `bench/gpu_e2e.sh training.total_steps=60 trainer.lr=1e-4`. $OUT gets at most 8 files:
 # metrics.jsonl, summary.json, timeline.png, reward.png, report.txt (the numbers every run

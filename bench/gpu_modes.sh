@@ -4,7 +4,7 @@
 # weights over CUDA IPC, on a random Qwen2.5-0.5B shape. One command under 10 minutes, from the
 # repository root:
 #
-#   OUT=/some/dir WHEEL_DIR=.gpuwheels bench/gpu_modes.sh [bench/modes.py options ...]
+#   OUT=/some/dir WHEEL_DIR=/root/w bench/gpu_modes.sh [bench/modes.py options ...]
 #
 # e.g. `bench/gpu_modes.sh --modes colocated,d --steps 24`. $OUT gets: modes.txt (the table, the
 # numbers, the load), modes.png and modes-colocated.png (timeline charts), modes.log.gz, and
