@@ -380,6 +380,8 @@ def _write_model(out: Path, args: dict[str, Any], corpus: list[str], max_positio
             with torch.device(device):
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model = model.to("cpu")
+        if device == "cuda":  # the building process (a run's driver) keeps no device memory
+            torch.cuda.empty_cache()
     else:
         config = Qwen2Config(
             vocab_size=n_vocab,
