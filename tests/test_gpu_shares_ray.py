@@ -35,7 +35,7 @@ def test_fractional_gpu_shares_place_engines_and_trainer_on_one_gpu(tmp_path, ti
     )
     assert rc == 0, capsys.readouterr().err
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["trainer_gpu_ids"] == [0], "the Trainer actor got a share of the one GPU"
+    assert [int(g) for g in summary["trainer_gpu_ids"]] == [0], "the Trainer actor got a share of the one GPU"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
     for key in (
