@@ -14,7 +14,7 @@ source "$(dirname "$0")/gpu_common.sh"
 cd "$ROOT" || exit 1
 RUN=$WORK/one_gpu
 rm -rf "$RUN"
-T=${T:-500}  # seconds for the run itself; the rest of the 10 minutes is install and charts
+T=${T:-420}  # seconds for the run itself (stopped cleanly after); the rest of the 10 minutes: install, charts
 timeout -s INT "$T" "${FERRYMAN[@]}" train examples/gpu/one_gpu.yaml "run_dir=$RUN" "model.path=$WORK/qwen2.5-0.5b-random" "$@" \
   > "$WORK/train.log" 2>&1
 rc=$?

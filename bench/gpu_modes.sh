@@ -14,7 +14,7 @@ source "$(dirname "$0")/gpu_common.sh"
 cd "$ROOT" || exit 1
 RUNS=$WORK/modes
 rm -rf "$RUNS"
-T=${T:-540}
+T=${T:-480}  # seconds for the modes (stopped cleanly after); the rest: install, tables
 timeout -s INT "$T" python3 bench/modes.py --stack gpu --out "$RUNS" --png "$OUT/modes.png" \
   --modes colocated,a,b,c,d --steps 16 --window 8 --mini 2 --staleness 1.0 --cpus 8 --concurrency 32 "$@" \
   > "$WORK/modes.log" 2>&1
