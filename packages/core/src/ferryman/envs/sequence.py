@@ -7,10 +7,11 @@ really aborts and resumes them.
 
 Patterns (``pattern``):
 
-* ``count`` (default): "Count up from 3, 32 digits." → ``34567890123…`` (each digit the previous
-  one plus one, mod 10). One rule applies at every position, so the policy gets a learning
-  signal from every token and learns the whole sequence quickly.
-* ``repeat``: "Repeat the digit 7, 32 times." → ``777…``. The easiest.
+* ``repeat`` (default): "Repeat the digit 7, 32 times." → ``777…``. The easiest: every position
+  asks for the prompt's digit, so every token of an answer carries a learning signal
+  (``bench/results/sequence_cpu.md``: the reward rises from random weights on a CPU).
+* ``count``: "Count up from 3, 32 digits." → ``34567890123…`` (each digit the previous one plus
+  one, mod 10): a wrong first digit shifts every later one off its place.
 * ``copy``: "Copy 3 1 4 1 5 9 …" → ``314159…``. Needs copying from the prompt at every position
   (attention over the prompt), the hardest of the three.
 
@@ -46,7 +47,7 @@ class SequenceEnvConfig(PluginConfig):
     length: int = Field(32, ge=1, le=4096)
     """Digits of the target (= answer tokens before the end-of-turn token). Set
     ``rollout.max_tokens`` above it, so the model can stop on its own."""
-    pattern: Literal["count", "repeat", "copy"] = "count"
+    pattern: Literal["repeat", "count", "copy"] = "repeat"
     """What the target is (see the module docstring)."""
     digit_credit: float = Field(0.0, ge=0.0, lt=1.0)
     """Credit for a position that holds a digit, but not the target's (shaping for a model
