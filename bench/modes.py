@@ -34,6 +34,12 @@ the end of the first window to the end of the last step.
     .venv/bin/python bench/modes.py                       # about 15 minutes on 2 busy cores
     .venv/bin/python bench/modes.py --modes colocated,d --steps 8 --quick   # a smoke run
     .venv/bin/python bench/modes.py --redraw              # table and charts again from the traces
+    bench/gpu_modes.sh                                    # the same on one GPU: --stack gpu
+
+``--stack gpu`` runs the same workload with vLLM engine replicas and the FSDP2 trainer sharing one
+GPU (weights over ``cuda_ipc``) on a random model of a real shape (``--preset``, default
+qwen2.5-0.5b); every mode uses the same replicas on the same GPU (colocated takes turns on it,
+(a)-(d) overlap on it), so ``--cpus`` only sizes Ray's CPU pool.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ HERE = str(Path(__file__).resolve().parent)
 # and in every Ray actor (which find it on PYTHONPATH)
 sys.path.insert(0, HERE)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
-os.environ["FERRYMAN_PLUGINS"] = "longtail_env"
+os.environ["FERRYMAN_PLUGINS"] = ",".join(p for p in (os.environ.get("FERRYMAN_PLUGINS"), "longtail_env") if p)
 
 from ferryman import timeline  # noqa: E402
 from ferryman.config import load_config  # noqa: E402
@@ -82,7 +88,32 @@ def mode_overrides(mode: str, window: int, mini: int, staleness: float) -> list[
     }[mode]
 
 
+def gpu_stack(args: argparse.Namespace) -> list[str]:
+    """``--stack gpu``: vLLM engine replicas and the FSDP2 trainer on one GPU (Ray GPU shares),
+    weights over CUDA IPC. Every mode uses the same replicas on the same GPU: colocated takes
+    turns on it, (a)-(d) overlap on it. vLLM keeps its memory in every mode (``sleep_mode:
+    false``: the GPU has room for both), so colocated pays for taking turns, not for moving
+    memory."""
+    share = round(0.6 / args.gpu_replicas, 3)
+    return [
+        "ray_num_gpus=1",
+        "trainer_num_gpus=0.4",
+        f"rollout.num_gpus_per_replica={share}",
+        (
+            "engine={type: vllm, core: thread, dtype: bfloat16, gpu_memory_utilization: 0.15, "
+            "kv_cache_memory_bytes: 4294967296, max_model_len: 1024, enforce_eager: true, sleep_mode: false}"
+        ),
+        f"trainer={{type: fsdp, device: cuda, backend: nccl, param_dtype: bfloat16, lr: 1.0e-4, ppo_epochs: {args.ppo_epochs}}}",
+        "weight_sync={type: cuda_ipc}",
+    ]
+
+
 def resources(mode: str, args: argparse.Namespace) -> list[str]:
+    if args.stack == "gpu":
+        return [
+            f"rollout.num_replicas={args.gpu_replicas}",
+            f"rollout.max_concurrency_per_replica={max(1, args.concurrency // args.gpu_replicas)}",
+        ]
     # torch threads do not speed up the tiny model (seen in a trial: with 2 threads its update
     # steps took 1-2 s, with 1 thread 0.1-0.2 s, on this busy machine): one thread in every mode
     replicas = args.cpus if mode == "colocated" else max(1, args.cpus // 2)
@@ -125,6 +156,8 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path) -> tup
     ]
     if args.runtime == "inline":
         base.append("queue={type: local}")
+    if args.stack == "gpu":
+        base += gpu_stack(args)
     cfg, _ = load_config(None, base + resources(mode, args) + mode_overrides(mode, args.window, args.mini, args.staleness), host)
     t0 = time.time()
     run(cfg, host)
@@ -156,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=64, help="tiny model hidden size")
     p.add_argument("--layers", type=int, default=2, help="tiny model layers")
     p.add_argument("--ppo-epochs", type=int, default=4, help="trainer passes over each mini-batch (trainer work per sample)")
+    p.add_argument("--stack", choices=["cpu", "gpu"], default="cpu",
+                   help="cpu: transformers engines and the FSDP trainer on CPU cores; gpu: vLLM engines and the FSDP "
+                        "trainer sharing one GPU, weights over cuda_ipc (bench/gpu_modes.sh)")
+    p.add_argument("--preset", default=None, help="model shape preset (ferryman.tiny.SHAPE_PRESETS; --stack gpu: qwen2.5-0.5b)")
+    p.add_argument("--gpu-replicas", type=int, default=2, help="--stack gpu: vLLM replicas sharing the GPU")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench-modes"))
     p.add_argument("--png", default=str(ROOT / "bench" / "results" / "modes.png"))
     p.add_argument("--chart-seconds", type=float, default=None, help="time span of each panel (default: two windows of steps)")
@@ -168,11 +206,16 @@ def main(argv: list[str] | None = None) -> int:
         args.median_s = 0.1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = out / f"tiny-model-h{args.hidden}-l{args.layers}"
+    if args.stack == "gpu" and args.preset is None:
+        args.preset = "qwen2.5-0.5b"
+    model = out / (f"model-{args.preset}" if args.preset else f"tiny-model-h{args.hidden}-l{args.layers}")
     if not (model / "config.json").is_file():
         from ferryman.tiny import build_tiny_model
 
-        build_tiny_model(model, hidden_size=args.hidden, num_layers=args.layers, seed=args.seed)
+        if args.preset:
+            build_tiny_model(model, preset=args.preset, dtype="bfloat16", seed=args.seed)
+        else:
+            build_tiny_model(model, hidden_size=args.hidden, num_layers=args.layers, seed=args.seed)
 
     if args.runtime == "ray" and not args.redraw:
         import logging
@@ -184,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         _no_uv_run_workers()
         ray.init(
             num_cpus=args.cpus,
+            **({"num_gpus": 1} if args.stack == "gpu" else {}),
             include_dashboard=False,
             logging_level=logging.WARNING,
             runtime_env={

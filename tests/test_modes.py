@@ -100,14 +100,17 @@ def test_mode_c_stale_samples_within_bound(tmp_path, tiny_model):
 
 @pytest.mark.slow
 def test_mode_d_partial_rollout_resumes_across_syncs(tmp_path, tiny_model):
-    s_thr = 0.5
+    # generations (24 tokens at 0.05 s a step) outlast a trainer step, and staleness 1 lets two
+    # samples be in flight at a sync: syncs cut them (with 12 tokens at 0.03 s and staleness 0.5
+    # the one extra sample had always finished before the sync came, and nothing was cut)
+    s_thr = 1.0
     s = _run(
         tmp_path,
         tiny_model,
-        "async_training.staleness_threshold=0.5",
+        f"async_training.staleness_threshold={s_thr}",
         "async_training.partial_rollout=true",
-        "rollout.max_tokens=12",
-        "engine.step_delay_s=0.03",
+        "rollout.max_tokens=24",
+        "engine.step_delay_s=0.05",
     )
     bound = math.floor(s_thr * W)
     assert all(n <= bound for n in _stale_per_window(s, 1)), _stale_per_window(s, 1)
@@ -121,10 +124,22 @@ def test_mode_d_partial_rollout_resumes_across_syncs(tmp_path, tiny_model):
     records = read_trace(run_dir, strict=True)
     cut = {r["args"]["request_id"] for r in records if r["name"] == "rollouter.traj" and r["args"]["aborts"] > 0}
     aborted = {r["args"]["request_id"] for r in records if r["name"] == "client.abort"}
+    assert cut, "a sync cut at least one generation, which resumed"
     assert cut <= aborted, "every trajectory cut by a sync has its abort in the trace"
     tl = timeline.build(records)
-    assert {t.request_id for t in tl.trajs if t.resumed_from is not None} == cut & {t.request_id for t in tl.trajs}
+    resumed = {t.request_id for t in tl.trajs if t.resumed_from is not None}
+    # every finished trajectory cut by a sync is drawn resumed, and every one drawn resumed was
+    # aborted (some were cut again by the run's end and never finished: not in `cut`)
+    assert cut & {t.request_id for t in tl.trajs} <= resumed <= aborted
     assert len(tl.syncs) == 6 and len(tl.train) == 6
+    # what every run reports: the partial-rollout share counts the cut samples, and the
+    # generation pause of a sync spans its transfer
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["partial/resumed_share"] > 0 for r in rows), [r["partial/resumed_share"] for r in rows]
+    for r in rows:
+        assert r["partial/resumed_share"] * W >= r["partial/resumed_samples"]
+        assert r["sync/generation_pause_s"] >= r["sync/transfer_s"]
+        assert r["perf/generated_tokens_per_s"] > 0
     png = tmp_path / "chart.png"
     assert main(["timeline", str(run_dir), "-o", str(png), "--steps", "2:6"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -263,3 +263,98 @@ def test_init_std_controls_greedy_variety(tmp_path, tok):
     assert len(set(out.tolist())) > 2
     with pytest.raises(ValueError, match="init_std"):
         build_tiny_model(tmp_path / "bad", init_std=0.0)
+
+
+# ----------------------------------------------------------------------------- shape presets
+
+
+def test_presets_match_the_config_literal():
+    import typing
+
+    from ferryman.config import TinyPreset
+    from ferryman.tiny import SHAPE_PRESETS
+
+    assert set(typing.get_args(TinyPreset)) == set(SHAPE_PRESETS)
+
+
+@pytest.mark.parametrize(
+    "preset,cls,expect",
+    [
+        # numbers of the released config.json files (hidden, MLP, heads, kv heads, tied, head_dim)
+        ("qwen2.5-0.5b", "Qwen2ForCausalLM", (896, 4864, 14, 2, True, 64)),
+        # (qwen3-1.7b: test_cli_tiny_model_preset)
+    ],
+)
+def test_preset_shrunk_to_one_layer_has_the_real_width(tmp_path, preset, cls, expect):
+    """Built with one layer (the real width, so a CPU can hold it): the saved config has the
+    preset's numbers, the model loads back as the right class, and the vocabulary is the tiny one."""
+    path = build_tiny_model(tmp_path / preset, preset=preset, num_layers=1)
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    got = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.tie_word_embeddings, head_dim)
+    assert got == expect
+    assert cfg.num_hidden_layers == 1
+    assert cfg.rope_parameters["rope_theta"] == 1e6
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    assert type(model).__name__ == cls
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    assert model.get_input_embeddings().weight.shape == (len(tok), expect[0])
+    out = model(torch.tensor([tok.encode("Count up from 3.")])).logits
+    assert out.shape[-1] == len(tok) and torch.isfinite(out).all()
+    marker = json.loads((path / MARKER_FILE).read_text())["args"]
+    assert marker["preset"] == preset and marker["num_layers"] == 1
+    assert build_tiny_model(tmp_path / preset, preset=preset, num_layers=1) == path  # reused as is
+
+
+def test_full_7b_preset_numbers_without_allocating(tmp_path):
+    """The whole 7B shape is checked on the meta device (no memory): untied LM head, 28 layers,
+    and the parameter count of Qwen2.5-7B less its vocabulary."""
+    from ferryman.tiny import SHAPE_PRESETS, _preset_config
+
+    shape = SHAPE_PRESETS["qwen2.5-7b"]
+    args = {"preset": "qwen2.5-7b", "num_layers": shape.num_layers, "init_std": 0.02}
+    cfg = _preset_config(args, n_vocab=160, max_positions=shape.max_positions, ids={})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    # Qwen2.5-7B has 7.61e9 parameters, 2 x 152064 x 3584 of them embeddings and LM head
+    assert n - 2 * 160 * 3584 == pytest.approx(7_615_616_512 - 2 * 152064 * 3584, abs=0)
+    assert not cfg.tie_word_embeddings
+
+
+def test_preset_refuses_a_width_and_unknown_names(tmp_path):
+    with pytest.raises(ValueError, match="fixes hidden_size"):
+        build_tiny_model(tmp_path / "x", preset="qwen2.5-0.5b", hidden_size=64)
+    with pytest.raises(ValueError, match="unknown preset 'qwen9'"):
+        build_tiny_model(tmp_path / "x", preset="qwen9")
+    assert not (tmp_path / "x").exists()
+
+
+def test_model_config_preset_fields():
+    from ferryman.config import ConfigError, load_config
+
+    cfg, _ = load_config(None, ["model.tiny_preset=qwen2.5-0.5b", "model.tiny_num_layers=1", "model.tiny_dtype=bfloat16"])
+    assert cfg.model.tiny_build_kwargs(3) == {
+        "vocab_size": 160, "init_std": 0.02, "seed": 3, "preset": "qwen2.5-0.5b", "dtype": "bfloat16", "num_layers": 1,
+    }
+    with pytest.raises(ConfigError, match="model: .*tiny_hidden_size"):
+        load_config(None, ["model.tiny_preset=qwen2.5-0.5b", "model.tiny_hidden_size=128"])
+    with pytest.raises(ConfigError, match="model.tiny_preset"):
+        load_config(None, ["model.tiny_preset=qwen9"])
+
+
+def test_cli_tiny_model_preset(tmp_path, capsys):
+    from ferryman.cli import main
+
+    assert main(["tiny-model", str(tmp_path / "m"), "--preset", "qwen3-1.7b", "--num-layers", "1", "--dtype", "bfloat16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["preset"] == "qwen3-1.7b" and out["vocab_size"] == 160
+    cfg = transformers.AutoConfig.from_pretrained(tmp_path / "m")
+    got = (cfg.model_type, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    assert got == ("qwen3", 2048, 6144, 16, 8, 128) and cfg.num_hidden_layers == 1 and cfg.tie_word_embeddings
+    assert cfg.dtype in (torch.bfloat16, "bfloat16")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.dtype == torch.bfloat16
+    # a width with a preset is refused with one line, not a traceback
+    assert main(["tiny-model", str(tmp_path / "x"), "--preset", "qwen3-0.6b", "--hidden-size", "64"]) == 2
+    assert "fixes hidden_size" in capsys.readouterr().err

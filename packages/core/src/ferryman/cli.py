@@ -109,8 +109,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_tiny(args: argparse.Namespace) -> int:
     from ferryman.tiny import build_tiny_model
 
-    path = build_tiny_model(args.path, vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
-    print(json.dumps({"path": str(path)}))
+    from ferryman.tiny import MARKER_FILE
+
+    try:
+        path = build_tiny_model(
+            args.path, vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed,
+            preset=args.preset, dtype=args.dtype, max_positions=args.max_positions,
+        )
+    except (ValueError, FileExistsError) as e:
+        print(f"ferryman: error: {e}", file=sys.stderr)
+        return 2
+    info = json.loads((path / MARKER_FILE).read_text())
+    print(json.dumps({"path": str(path), "preset": args.preset, "num_parameters": info["num_parameters"], "vocab_size": info["vocab_size"]}))
     return 0
 
 
@@ -189,9 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("tiny-model", help="build a tiny Qwen-style model directory")
     sp.add_argument("path")
+    from ferryman.tiny import SHAPE_PRESETS
+
+    sp.add_argument("--preset", choices=sorted(SHAPE_PRESETS), help="the shape of a released model (random weights, the tiny vocabulary)")
     sp.add_argument("--vocab-size", type=int, default=160)
-    sp.add_argument("--hidden-size", type=int, default=64)
-    sp.add_argument("--num-layers", type=int, default=2)
+    sp.add_argument("--hidden-size", type=int, default=None, help="default 64 (not with --preset)")
+    sp.add_argument("--num-layers", type=int, default=None, help="default 2, or the preset's")
+    sp.add_argument("--max-positions", type=int, default=None, help="context length (default 512, or the preset's)")
+    sp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="stored weights' dtype (presets only)")
     sp.add_argument("--seed", type=int, default=0)
     sp.set_defaults(func=_cmd_tiny)
 

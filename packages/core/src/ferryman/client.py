@@ -76,6 +76,8 @@ class ServerClient:
         self.num_calls = 0
         self.num_resumes = 0
         self.num_failovers = 0
+        self.generated_tokens = 0
+        """Tokens the engines generated for this client, aborted-and-resumed pieces included."""
         self.in_progress: dict[str, TokenOutput] = {}
         """Request id → merged output so far of a ``generate()`` under way (read at checkpoints)."""
 
@@ -179,6 +181,7 @@ class ServerClient:
         while True:
             out, salvaged = await self._generate_once(request_id, list(prompt_ids) + merged.token_ids, params.replace(max_tokens=budget), sink)
             pieces += 1
+            self.generated_tokens += len(out.token_ids)
             merged.token_ids.extend(out.token_ids)
             merged.log_probs.extend(out.log_probs)
             merged.versions.extend(out.versions)

@@ -56,6 +56,10 @@ def missing_requirements(plugin_cfgs: dict[str, Any]) -> list[str]:
     return out
 
 
+TinyPreset = Literal["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-1.7b"]
+"""The names of ``ferryman.tiny.SHAPE_PRESETS`` (a test keeps the two in step)."""
+
+
 class ModelConfig(Strict):
     path: str = "runs/tiny-model"
     """A transformers model directory (config, weights, tokenizer, chat template)."""
@@ -69,7 +73,38 @@ class ModelConfig(Strict):
     tiny_init_std: float = Field(0.02, gt=0)
     """Standard deviation of the random initial weights."""
     tiny_max_positions: int = Field(512, ge=16)
-    """Context length of the tiny model (the transformers engine refuses longer prompts)."""
+    """Context length of the tiny model (the transformers engine refuses longer prompts); with
+    ``tiny_preset``, the preset's unless set."""
+    tiny_preset: TinyPreset | None = None
+    """Build the model with the shape of a released model (``ferryman.tiny.SHAPE_PRESETS``:
+    hidden, MLP, heads, KV heads, rope base, tied embeddings of e.g. Qwen2.5-0.5B) and random
+    weights; the vocabulary stays the tiny tokenizer's. ``tiny_num_layers``, when set, shrinks
+    the layer count; ``tiny_hidden_size`` cannot be combined with it."""
+    tiny_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the stored weights of a ``tiny_preset`` model."""
+
+    @model_validator(mode="after")
+    def preset_fixes_the_shape(self) -> ModelConfig:
+        if self.tiny_preset is None:
+            if self.tiny_dtype != "float32":
+                raise ValueError("tiny_dtype: only a tiny_preset model is stored in another dtype than float32")
+            return self
+        if "tiny_hidden_size" in self.model_fields_set:
+            raise ValueError(f"tiny_hidden_size: tiny_preset {self.tiny_preset!r} fixes the hidden size; set only tiny_num_layers to shrink it")
+        return self
+
+    def tiny_build_kwargs(self, seed: int) -> dict[str, Any]:
+        """Keyword arguments of :func:`ferryman.tiny.build_tiny_model` for this section."""
+        kw: dict[str, Any] = dict(vocab_size=self.tiny_vocab_size, init_std=self.tiny_init_std, seed=seed)
+        if self.tiny_preset is None:
+            kw.update(hidden_size=self.tiny_hidden_size, num_layers=self.tiny_num_layers, max_positions=self.tiny_max_positions)
+            return kw
+        kw.update(preset=self.tiny_preset, dtype=self.tiny_dtype)
+        if "tiny_num_layers" in self.model_fields_set:
+            kw["num_layers"] = self.tiny_num_layers
+        if "tiny_max_positions" in self.model_fields_set:
+            kw["max_positions"] = self.tiny_max_positions
+        return kw
 
 
 class RunFailuresConfig(Strict):
@@ -105,7 +140,13 @@ class RolloutConfig(Strict):
     """Engine replicas (= rollout GPUs / tensor parallel size)."""
     num_gpus_per_replica: float = Field(0.0, ge=0.0)
     """GPUs each engine replica's Ray actor reserves (e.g. the tensor-parallel size for vLLM);
-    0 for CPU engines."""
+    0 for CPU engines. A fraction below 1 shares a GPU (with other replicas, or with the
+    Trainer: ``trainer_num_gpus``); above 1 it must be a whole number (Ray's rule)."""
+
+    @field_validator("num_gpus_per_replica")
+    @classmethod
+    def _ray_gpu_amount(cls, v: float) -> float:
+        return check_gpu_amount(v)
     max_concurrency_per_replica: int = Field(16, ge=1)
     """Trajectories each replica serves at once (VeRL's ``concurrent_samples_per_replica``)."""
     total_rollout_steps: int | None = Field(None, ge=1)
@@ -259,6 +300,14 @@ class RunConfig(Strict):
     ``inline``: all of them on one asyncio loop in this process (tests, debugging); the queue is
     then always the in-process ``local`` queue, whatever ``queue.type`` says (logged)."""
     ray_num_cpus: int | None = None
+    ray_num_gpus: int | None = Field(None, ge=0)
+    """GPUs the local Ray instance has (default: those Ray detects). When set, the GPU shares of
+    the engine replicas and the Trainer must fit them (checked here, before anything starts)."""
+    trainer_num_gpus: float = Field(0.0, ge=0.0)
+    """GPUs the Trainer's Ray actor reserves (``runtime: ray``); a trainer backend running one
+    rank in it (``trainer.num_workers: 1``) uses them. A fraction below 1 shares the GPU with
+    engine replicas (``rollout.num_gpus_per_replica``), e.g. the vLLM engine and the FSDP
+    trainer on one H200 with ``weight_sync: {type: cuda_ipc}``; above 1 it must be whole."""
     engine_threads: int = Field(1, ge=1)
     """torch threads per engine replica."""
     trainer_threads: int = Field(1, ge=1)
@@ -266,6 +315,23 @@ class RunConfig(Strict):
     log_every: int = Field(1, ge=1)
     trace: TraceConfig = Field(default_factory=TraceConfig)
     """The event trace in ``RUN_DIR/trace/`` (see :mod:`ferryman.trace`)."""
+
+    @field_validator("trainer_num_gpus")
+    @classmethod
+    def _trainer_gpu_amount(cls, v: float) -> float:
+        return check_gpu_amount(v)
+
+    @model_validator(mode="after")
+    def gpu_shares_fit(self) -> RunConfig:
+        if self.ray_num_gpus is None:
+            return self
+        demands = [("rollout.num_gpus_per_replica", self.rollout.num_gpus_per_replica)] * self.rollout.num_replicas
+        demands.append(("trainer_num_gpus", self.trainer_num_gpus))
+        problem = pack_gpus([d for _, d in demands], self.ray_num_gpus)
+        if problem:
+            asked = f"{self.rollout.num_replicas} x rollout.num_gpus_per_replica={self.rollout.num_gpus_per_replica:g} + trainer_num_gpus={self.trainer_num_gpus:g}"
+            raise ValueError(f"rollout.num_gpus_per_replica / trainer_num_gpus: {asked} do not fit ray_num_gpus={self.ray_num_gpus} ({problem})")
+        return self
 
     @model_validator(mode="after")
     def checkpoints_at_sync_boundaries(self) -> RunConfig:
@@ -293,6 +359,32 @@ class RunConfig(Strict):
             num_replicas=self.rollout.num_replicas,
             max_concurrency_per_replica=self.rollout.max_concurrency_per_replica,
         )
+
+
+def check_gpu_amount(v: float) -> float:
+    """Ray's rule for a GPU request: a fraction below 1 (a share of one GPU) or a whole number."""
+    if v > 1 and v != int(v):
+        raise ValueError(f"{v:g} GPUs: a request above 1 must be a whole number of GPUs (a fraction shares one GPU only)")
+    return v
+
+
+def pack_gpus(demands: list[float], num_gpus: int) -> str | None:
+    """Whether Ray can place actors asking for ``demands`` GPUs each on ``num_gpus`` GPUs: whole
+    requests take whole GPUs, fractions share a GPU up to 1 (placed first-fit, largest first,
+    as Ray packs fractions onto the fullest GPU that still has room). Returns what does not fit,
+    or None."""
+    whole = sum(int(d) for d in demands if d >= 1)
+    if whole > num_gpus:
+        return f"the whole-GPU requests alone take {whole}"
+    free = [1.0] * (num_gpus - whole)
+    for d in sorted((d for d in demands if 0 < d < 1), reverse=True):
+        fits = [i for i, f in enumerate(free) if f + 1e-9 >= d]
+        if not fits:
+            total = sum(d for d in demands if 0 < d < 1)
+            return f"the shares below 1 add up to {total:g} and cannot be packed onto the {len(free) or 'no'} GPU(s) left"
+        best = min(fits, key=lambda i: free[i])
+        free[best] -= d
+    return None
 
 
 def compute_funnel(

@@ -130,6 +130,11 @@ class EngineActor:
     async def attach_weight_receiver(self, sync_type: str, params: dict[str, Any]) -> None:
         await self._receivers.attach(self._host, sync_type, params, self.engine, self.replica)
 
+    async def peak_memory(self) -> dict[str, float]:
+        from ferryman.metrics import peak_memory
+
+        return peak_memory("engine")
+
     async def shutdown(self) -> None:
         await self._receivers.close()
         await self.engine.shutdown()
@@ -200,6 +205,17 @@ class EngineHandle:
 
     async def stats(self) -> dict[str, float]:
         return await self._call("stats")
+
+    async def peak_memory(self) -> dict[str, float]:
+        """Peak memory of the process this replica runs in (:func:`ferryman.metrics.peak_memory`,
+        keys ``engine_rss_peak_gb`` and, on a GPU, ``engine_device_peak_gb``). An engine that
+        runs its model in child processes (vLLM's ``core: process``, tensor parallel) has its
+        device memory there, which this does not see."""
+        if self._actor is not None:
+            return await self._actor.peak_memory.remote()
+        from ferryman.metrics import peak_memory
+
+        return peak_memory("engine")
 
     async def attach_weight_receiver(self, sync_type: str, params: dict[str, Any]) -> None:
         """Transport-side receiver setup: build weight transport ``sync_type``'s engine-side

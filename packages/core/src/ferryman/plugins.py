@@ -39,6 +39,7 @@ DEFAULT_PLUGINS = (
     "ferryman.defaults.weight_sync",
     "ferryman.defaults.trackers",
     "ferryman.envs.digits",
+    "ferryman.envs.sequence",
 )
 """Core's own implementations, registered through the same hooks as any plugin."""
 

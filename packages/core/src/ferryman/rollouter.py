@@ -533,6 +533,8 @@ class Rollouter:
             "rollouter/redispatched_runs": float(self.total_redispatched_runs),
             "rollouter/max_active_seen": float(self.max_active_seen),
             "rollouter/idle_ratio": 1.0 - busy / elapsed,
+            "rollouter/elapsed_s": elapsed,
+            "rollouter/generated_tokens": float(getattr(self.client, "generated_tokens", 0)),
             "rollouter/epoch": float(self.epoch),
             **(self.env.stats() if callable(getattr(self.env, "stats", None)) else {}),
             **self.recorder.stats(),

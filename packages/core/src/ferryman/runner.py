@@ -72,15 +72,7 @@ def prepare_model(cfg: RunConfig) -> None:
     if cfg.model.build_tiny:
         from ferryman.tiny import build_tiny_model
 
-        build_tiny_model(
-            path,
-            vocab_size=cfg.model.tiny_vocab_size,
-            hidden_size=cfg.model.tiny_hidden_size,
-            num_layers=cfg.model.tiny_num_layers,
-            init_std=cfg.model.tiny_init_std,
-            max_positions=cfg.model.tiny_max_positions,
-            seed=cfg.seed,
-        )
+        build_tiny_model(path, **cfg.model.tiny_build_kwargs(cfg.seed))
     elif not (path / "config.json").is_file():
         raise ConfigError(f"model.path: {str(path)!r} is not a model directory (no config.json); set model.build_tiny=true to build a tiny one")
 
@@ -204,6 +196,8 @@ def build_trainer(
         cfg.checkpoint, run_dir=cfg.run_dir, backend=backend, queue=queue, synchronizer=synchronizer, rollouter=rollouter
     )
 
+    generated = GeneratedTokens()
+
     async def on_metrics(step: int, metrics: dict[str, float]) -> None:
         if step % cfg.log_every:
             return
@@ -211,11 +205,14 @@ def build_trainer(
         async def ask(source: Any) -> dict[str, float]:
             return await source()
 
-        for result in await asyncio.gather(*(ask(source) for source in stats_sources), return_exceptions=True):
+        sources = [*stats_sources, lambda: engine_memory(synchronizer.engines)]
+        for result in await asyncio.gather(*(ask(source) for source in sources), return_exceptions=True):
             if isinstance(result, BaseException):  # stats are best effort
                 log.debug("stats source failed: %r", result)
             else:
                 metrics.update(result)
+        metrics.update(generated.rates(metrics))
+        trainer.report.update(metrics)
         for tracker in trackers:
             tracker.log(metrics, step)
 
@@ -230,6 +227,38 @@ def build_trainer(
         checkpointer=checkpointer,
     )
     return trainer, trackers
+
+
+class GeneratedTokens:
+    """Generated tokens/s from the Rollouter's counters (``rollouter/generated_tokens`` and
+    ``rollouter/elapsed_s``, both on the Rollouter's clock): ``perf/generated_tokens_per_s`` since
+    the previous report, ``perf/generated_tokens_per_s_avg`` over the run."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float] | None = None
+
+    def rates(self, metrics: dict[str, float]) -> dict[str, float]:
+        tokens, elapsed = metrics.get("rollouter/generated_tokens"), metrics.get("rollouter/elapsed_s")
+        if tokens is None or elapsed is None or elapsed <= 0:
+            return {}
+        out = {"perf/generated_tokens_per_s_avg": tokens / elapsed}
+        if self._last is not None and elapsed > self._last[1] and tokens >= self._last[0]:
+            out["perf/generated_tokens_per_s"] = (tokens - self._last[0]) / (elapsed - self._last[1])
+        else:  # the first report (or a Rollouter restored from a checkpoint): the run so far
+            out["perf/generated_tokens_per_s"] = out["perf/generated_tokens_per_s_avg"]
+        self._last = (tokens, elapsed)
+        return out
+
+
+async def engine_memory(engines: list[Any]) -> dict[str, float]:
+    """Each replica's peak memory (``memory/engine_rss_peak_gb/<replica>``, and
+    ``memory/engine_device_peak_gb/<replica>`` on a GPU); replicas that do not answer are left out."""
+    results = await asyncio.gather(*(asyncio.wait_for(e.peak_memory(), 10) for e in engines), return_exceptions=True)
+    out: dict[str, float] = {}
+    for e, r in zip(engines, results):
+        if isinstance(r, dict):
+            out.update({f"memory/{k}/{e.name}": float(v) for k, v in r.items()})
+    return out
 
 
 # --------------------------------------------------------------------------- Ray actors
@@ -300,6 +329,16 @@ class _RemoteRollouter:
         await self.actor.quarantine_replica.remote(replica, error)
 
 
+def _gpu_ids() -> list[Any]:
+    """The GPUs Ray gave this actor (``trainer_num_gpus``), for the summary."""
+    import ray
+
+    try:
+        return list(ray.get_gpu_ids())
+    except Exception:  # noqa: BLE001 - a number for the record only
+        return []
+
+
 class TrainerActor:
     def __init__(
         self, cfg: RunConfig, queue: Any, engines: list[EngineHandle], rollouter_actor: Any, resume_step: int | None = None
@@ -339,6 +378,8 @@ class TrainerActor:
             "checkpoints": ck.saved if ck else [],
             "resumed": ck.restored if ck else None,
             "lost_replicas": self.trainer.synchronizer.lost,
+            "report": self.trainer.report.summary(),
+            "trainer_gpu_ids": _gpu_ids(),
         }
 
 
@@ -450,6 +491,7 @@ async def _run_inline(
         "checkpoints": ck.saved,
         "resumed": ck.restored,
         "lost_replicas": trainer.synchronizer.lost,
+        "report": trainer.report.summary(),
     }
 
 
@@ -466,7 +508,8 @@ async def _run_ray(
     )
     await asyncio.gather(*(e.start() for e in engines))
     rollouter = ray.remote(num_cpus=0, max_concurrency=1000)(RolloutActor).remote(cfg, queue, engines)
-    trainer = ray.remote(num_cpus=0, max_concurrency=100)(TrainerActor).remote(cfg, queue, engines, rollouter, resume_step)
+    trainer_cls = ray.remote(num_cpus=0, num_gpus=cfg.trainer_num_gpus, max_concurrency=100)(TrainerActor)
+    trainer = trainer_cls.remote(cfg, queue, engines, rollouter, resume_step)
     remove_handler = _on_sigterm(cfg, lambda: trainer.request_stop.remote())
     fit_ref = None
     try:
@@ -580,8 +623,10 @@ def run(cfg: RunConfig, host: PluginHost | None = None, *, resume: str | Path | 
             quiet_ray_auth_warning()
             started = not ray.is_initialized()
             if started:
+                gpus = {} if cfg.ray_num_gpus is None else {"num_gpus": cfg.ray_num_gpus}
                 ray.init(
                     num_cpus=cfg.ray_num_cpus or os.cpu_count() or 1,
+                    **gpus,
                     include_dashboard=False,
                     logging_level=logging.WARNING,
                     runtime_env={

@@ -156,7 +156,7 @@ class Synchronizer:
         await self.rollouter.pause_for_sync(not self.partial_rollout)
         m["sync/wait_rollouter_s"] = time.perf_counter() - t
         self._trace_step("wait_rollouter", t, version, wait_for_active=not self.partial_rollout)
-        t = time.perf_counter()
+        t = t_paused = time.perf_counter()
         await self._all("pause", "pause", self.partial_rollout)
         m["sync/pause_s"] = self._trace_step("pause", t, version, abort=self.partial_rollout)
         t = time.perf_counter()
@@ -179,6 +179,9 @@ class Synchronizer:
         await self._all("resume_kv_cache", "resume_kv_cache")
         await self._all("resume", "resume")
         m["sync/resume_s"] = self._trace_step("resume", t, version)
+        # generation stood still from the engines' pause to their resume: pause, KV release,
+        # transfer, version check, KV and generation resume (not the transfer alone)
+        m["sync/generation_pause_s"] = time.perf_counter() - t_paused
         t = time.perf_counter()
         m["sync/num_staleness_sample"] = float(await self.rollouter.reset_staleness(version))
         m["sync/reset_staleness_s"] = self._trace_step("reset_staleness", t, version)

@@ -36,13 +36,16 @@ import os
 import random
 import shutil
 import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "SHAPE_PRESETS",
     "SPECIAL_TOKENS",
     "TAG_TOKENS",
+    "ShapePreset",
     "build_tiny_model",
     "min_vocab_size",
     "tiny_corpus",
@@ -113,6 +116,46 @@ CHAT_TEMPLATE = "".join(
         "{%- endif -%}",
     ]
 )
+
+
+# ----------------------------------------------------------------------------- shape presets
+
+
+@dataclass(frozen=True)
+class ShapePreset:
+    """The architecture numbers of a released model (from its ``config.json``). A model built
+    from a preset has exactly these, random weights, and the tiny tokenizer's vocabulary (so
+    its embedding and LM-head matrices are ``vocab × hidden`` with a vocabulary of a few hundred,
+    not the real ~152k: the real tokenizer cannot be downloaded)."""
+
+    architecture: Literal["qwen2", "qwen3"]
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_positions: int
+    head_dim: int | None = None
+    """Set where it is not ``hidden_size / num_heads`` (Qwen3)."""
+    rms_norm_eps: float = 1e-6
+    real_vocab_size: int = 151936
+    """The released model's vocabulary (documentation only; the built model has the tiny one)."""
+
+
+SHAPE_PRESETS: dict[str, ShapePreset] = {
+    # Qwen/Qwen2.5-*-Instruct config.json: QKV bias, SwiGLU, RMSNorm, GQA
+    "qwen2.5-0.5b": ShapePreset("qwen2", 896, 4864, 24, 14, 2, 1e6, True, 32768),
+    "qwen2.5-1.5b": ShapePreset("qwen2", 1536, 8960, 28, 12, 2, 1e6, True, 32768),
+    "qwen2.5-3b": ShapePreset("qwen2", 2048, 11008, 36, 16, 2, 1e6, True, 32768),
+    "qwen2.5-7b": ShapePreset("qwen2", 3584, 18944, 28, 28, 4, 1e6, False, 32768, real_vocab_size=152064),
+    # Qwen/Qwen3-*: no QKV bias, q/k RMSNorm, head_dim 128 whatever the hidden size
+    "qwen3-0.6b": ShapePreset("qwen3", 1024, 3072, 28, 16, 8, 1e6, True, 40960, head_dim=128),
+    "qwen3-1.7b": ShapePreset("qwen3", 2048, 6144, 28, 16, 8, 1e6, True, 40960, head_dim=128),
+}
+"""Shapes :func:`build_tiny_model` knows by name (``preset=``, ``ferryman tiny-model --preset``,
+``model.tiny_preset``)."""
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -289,35 +332,74 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
     return data.get("args") if isinstance(data, dict) else None
 
 
+def _preset_config(args: dict[str, Any], n_vocab: int, max_positions: int, ids: dict[str, int]) -> Any:
+    """The transformers config of a preset-shaped model (``args["preset"]`` set)."""
+    shape = SHAPE_PRESETS[args["preset"]]
+    common = dict(
+        vocab_size=n_vocab,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=args["num_layers"],
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        rope_theta=shape.rope_theta,
+        rms_norm_eps=shape.rms_norm_eps,
+        use_sliding_window=False,
+        initializer_range=args["init_std"],
+        **ids,
+    )
+    if shape.architecture == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(head_dim=shape.head_dim, attention_bias=False, **common)
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**common)
+
+
 def _write_model(out: Path, args: dict[str, Any], corpus: list[str], max_positions: int) -> None:
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     tok = _train_tokenizer(args["vocab_size"], corpus)
     fast = _fast_tokenizer(tok, max_positions)
     n_vocab = tok.get_vocab_size(with_added_tokens=True)
     pad_id = tok.token_to_id("<|endoftext|>")
     eos_id = tok.token_to_id("<|im_end|>")
+    ids = dict(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
 
-    config = Qwen2Config(
-        vocab_size=n_vocab,
-        hidden_size=args["hidden_size"],
-        intermediate_size=2 * args["hidden_size"],
-        num_hidden_layers=args["num_layers"],
-        num_attention_heads=args["num_heads"],
-        num_key_value_heads=args["num_kv_heads"],
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        rms_norm_eps=1e-6,
-        initializer_range=args["init_std"],
-        bos_token_id=pad_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args["seed"])
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+    if args.get("preset"):
+        config = _preset_config(args, n_vocab, max_positions, ids)
+        dtype = getattr(torch, args.get("dtype", "float32"))
+        # on a GPU when there is one: a 7B shape initialises in seconds there, minutes on a CPU
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        with torch.random.fork_rng(devices=[0] if device == "cuda" else []):
+            torch.manual_seed(args["seed"])
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = model.to("cpu")
+        if device == "cuda":  # the building process (a run's driver) keeps no device memory
+            torch.cuda.empty_cache()
+    else:
+        config = Qwen2Config(
+            vocab_size=n_vocab,
+            hidden_size=args["hidden_size"],
+            intermediate_size=2 * args["hidden_size"],
+            num_hidden_layers=args["num_layers"],
+            num_attention_heads=args["num_heads"],
+            num_key_value_heads=args["num_kv_heads"],
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            rms_norm_eps=1e-6,
+            initializer_range=args["init_std"],
+            **ids,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args["seed"])
+            model = Qwen2ForCausalLM(config).to(torch.float32)
     model.eval()
     model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(out)
@@ -331,18 +413,24 @@ def _write_model(out: Path, args: dict[str, Any], corpus: list[str], max_positio
     (out / MARKER_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
 
+_TINY_SHAPE = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
+"""The default shape when no preset is named."""
+
+
 def build_tiny_model(
     path: str | os.PathLike[str],
     *,
     vocab_size: int = 160,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
+    hidden_size: int | None = None,
+    num_layers: int | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
     seed: int = 0,
     extra_corpus: list[str] | None = None,
     init_std: float = 0.02,
-    max_positions: int = 512,
+    max_positions: int | None = None,
+    preset: str | None = None,
+    dtype: Literal["float32", "bfloat16"] = "float32",
 ) -> Path:
     """Build (or reuse) a tiny Qwen2 model directory at ``path`` and return it.
 
@@ -358,16 +446,45 @@ def build_tiny_model(
     A directory built with other arguments is replaced; a non-empty directory that was not
     built here raises :class:`FileExistsError`. The build is atomic (written aside, then
     renamed), so concurrent callers are safe.
+
+    Without ``preset`` the shape is ``hidden_size`` (64), ``num_layers`` (2), ``num_heads`` (4)
+    and ``num_kv_heads`` (2), with an MLP twice the hidden size. ``preset`` names a real shape of
+    :data:`SHAPE_PRESETS` (e.g. ``"qwen2.5-0.5b"``, ``"qwen3-1.7b"``): its hidden, MLP, head and
+    KV-head sizes, rope base, tied or untied embeddings and context length (unless
+    ``max_positions`` is given), as a ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM``; only
+    ``num_layers`` may still be given (fewer layers of the real width, e.g. for a CPU test).
+    The vocabulary stays the tiny tokenizer's. ``dtype`` is the stored weights' dtype (presets
+    only; ``bfloat16`` halves a large shape's files). A preset model is initialised on the GPU
+    when there is one (the same seed then gives other weights than on a CPU).
     """
+    if preset is not None:
+        if preset not in SHAPE_PRESETS:
+            raise ValueError(f"build_tiny_model: unknown preset {preset!r} (allowed: {', '.join(SHAPE_PRESETS)})")
+        fixed = [n for n, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)) if v is not None]
+        if fixed:
+            raise ValueError(f"build_tiny_model: preset {preset!r} fixes {', '.join(fixed)}; give only num_layers to shrink it")
+        shape = SHAPE_PRESETS[preset]
+        hidden_size, num_heads, num_kv_heads = shape.hidden_size, shape.num_heads, shape.num_kv_heads
+        num_layers = shape.num_layers if num_layers is None else num_layers
+        max_positions = shape.max_positions if max_positions is None else max_positions
+    else:
+        if dtype != "float32":
+            raise ValueError("build_tiny_model: dtype applies to preset shapes only (the tiny shape is float32)")
+        hidden_size = _TINY_SHAPE["hidden_size"] if hidden_size is None else hidden_size
+        num_layers = _TINY_SHAPE["num_layers"] if num_layers is None else num_layers
+        num_heads = _TINY_SHAPE["num_heads"] if num_heads is None else num_heads
+        num_kv_heads = _TINY_SHAPE["num_kv_heads"] if num_kv_heads is None else num_kv_heads
+        max_positions = 512 if max_positions is None else max_positions
     if vocab_size < min_vocab_size():
         raise ValueError(
             f"build_tiny_model: vocab_size={vocab_size} is too small; the byte alphabet, the "
             f"specials and the tool tags alone take {min_vocab_size()} tokens"
         )
-    if hidden_size % num_heads:
-        raise ValueError(f"build_tiny_model: hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
-    if (hidden_size // num_heads) % 2:
-        raise ValueError("build_tiny_model: the head size (hidden_size / num_heads) must be even for rotary embeddings")
+    if preset is None:
+        if hidden_size % num_heads:
+            raise ValueError(f"build_tiny_model: hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
+        if (hidden_size // num_heads) % 2:
+            raise ValueError("build_tiny_model: the head size (hidden_size / num_heads) must be even for rotary embeddings")
     if num_heads % num_kv_heads:
         raise ValueError(f"build_tiny_model: num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
     if num_layers < 1:
@@ -388,7 +505,12 @@ def build_tiny_model(
         init_std=float(init_std),
         extra_corpus=extra_corpus,
     )
-    if max_positions != 512:  # only then: directories built before this argument keep their marker
+    if preset is not None:  # only then: directories built before presets keep their marker
+        args["preset"] = preset
+        args["shape"] = asdict(SHAPE_PRESETS[preset])
+        args["dtype"] = dtype
+        args["max_positions"] = int(max_positions)
+    elif max_positions != 512:  # only then: directories built before this argument keep their marker
         args["max_positions"] = int(max_positions)
     if _read_marker(target) == args:
         return target

@@ -78,6 +78,10 @@ class Trainer:
         self.nonfinite_grad_steps = 0
         """Steps whose gradient norm was not finite (the backend skipped their update)."""
         self._nonfinite_streak = 0
+        self.report = fm.RunReport()
+        """What the run reports, summarised (``summary.json``'s ``report``); fed by whoever
+        publishes the merged per-step metrics (the runner's ``on_metrics``), or by
+        :meth:`_publish_step` when there is no ``on_metrics``."""
 
     async def fit(self) -> list[dict[str, Any]]:
         try:
@@ -242,6 +246,8 @@ class Trainer:
     async def _publish_step(self, step: int, m: dict[str, float]) -> None:
         if self.on_metrics is not None:
             await _maybe_await(self.on_metrics(step, m))
+        else:
+            self.report.update(m)
         if self.on_step_end is not None:
             self.on_step_end(step, m)
 
@@ -398,6 +404,21 @@ class Trainer:
         m["perf/tokens_per_s"] = float(batch.num_tokens) / step_s
         m["perf/samples_per_s_avg"] = self._samples_total / max(time.monotonic() - self._start, 1e-9)
         m["trainer/idle_ratio_step"] = max(0.0, 1.0 - (train_s + sync_busy) / step_s)
+        m.update(self._trainer_memory())
+
+    def _trainer_memory(self) -> dict[str, float]:
+        """Peak memory of the process that holds the model: the backend's ``peak_memory()``
+        when it has one (a backend whose ranks are other processes answers for rank 0), else
+        this process's."""
+        fn = getattr(self.backend, "peak_memory", None)
+        if callable(fn):
+            try:
+                out = fn()
+                if isinstance(out, dict) and out:
+                    return {f"memory/{k}": float(v) for k, v in out.items()}
+            except Exception as e:  # noqa: BLE001 - a number for the trackers, never a failure
+                log.debug("backend peak_memory failed: %r", e)
+        return {f"memory/{k}": v for k, v in fm.peak_memory("trainer").items()}
 
     def _trace_train(self, batch: TrainBatch, samples: list[Sample], version: int, t_train: float, train_s: float) -> None:
         """Trace the samples taken (with their token versions) and the step's training block."""

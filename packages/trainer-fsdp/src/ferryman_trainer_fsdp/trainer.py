@@ -953,6 +953,14 @@ class FSDPTrainerBackend:
         self._offloaded = False
 
     # ------------------------------------------------------------------ lifecycle
+    def peak_memory(self) -> dict[str, float]:
+        """This rank's peak memory (:func:`ferryman.metrics.peak_memory`: peak RSS, and on a GPU
+        the CUDA allocator's peak); the trainer loop reports it as ``memory/trainer_*`` (with
+        ``num_workers > 1``, rank 0's)."""
+        from ferryman.metrics import peak_memory
+
+        return peak_memory("trainer")
+
     def close(self) -> None:
         """Release the models; destroy the process group if this backend (or another backend
         of this process sharing it) created it and this is its last user."""
