@@ -59,7 +59,7 @@ def test_a_task_that_is_not_json_fails_before_anything_starts(cli_env, capsys):
         ("rolout.n=3", "rolout: unknown field (did you mean 'rollout'?)"),
         ("rollout.failures.max_consecutiv=3", "rollout.failures.max_consecutiv: unknown field (did you mean 'max_consecutive'?)"),
         ("env.num_task=3", "env.num_task: unknown field (did you mean 'num_tasks'?)"),
-        ("env.type=digit", "env.type: unknown env 'digit' (did you mean 'digits'?) (allowed: digits)"),
+        ("env.type=digit", "env.type: unknown env 'digit' (did you mean 'digits'?) (allowed: digits, sequence)"),
         ("trackers=[{type: jsnl}]", "trackers.0.type: unknown tracker 'jsnl' (did you mean 'jsonl'?)"),
         ("env.zzz=3", "env.zzz: unknown field\n"),
     ],
