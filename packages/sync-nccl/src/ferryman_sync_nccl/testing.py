@@ -7,7 +7,7 @@
 - :class:`ProcessEngine` runs an engine in its own process and drives it over a pipe, the way
   core's ``EngineHandle`` drives an engine actor: every Engine method, plus
   ``attach_weight_receiver`` (through core's plugin host, as in an ``EngineActor``; or, with
-  ``plugin_host=False``, by building the ``nccl`` receiver directly), ``call`` (run a function
+  ``plugin_host=False``, by building this package's receiver directly), ``call`` (run a function
   in the child against the engine) and ``kill`` (SIGKILL, for failure tests).
 - :func:`qwen2_shapes` gives the parameter shapes of a Qwen2-style model (Qwen2.5-7B by default).
 - :func:`raw_broadcast_rounds` times bare broadcasts between two processes (the benchmark's floor).
@@ -80,20 +80,42 @@ CONFIG_DEFAULTS: dict[str, Any] = {
 """NcclSyncConfig's defaults, for :func:`transport_config` where pydantic is missing (a test
 checks that the two agree)."""
 
+IPC_CONFIG_DEFAULTS: dict[str, Any] = {
+    "type": "cuda_ipc",
+    "device": "auto",
+    "bucket_megabytes": 512.0,
+    "wire_dtype": None,
+    "verify": True,
+    "metadata": "zmq",
+    "timeout_s": 60.0,
+    "connect_timeout_s": 120.0,
+}
+"""IpcSyncConfig's defaults, for :func:`ipc_config` where pydantic is missing."""
+
+
+def _config(cls_name: str, defaults: dict[str, Any], fields: dict[str, Any]) -> Any:
+    try:
+        from ferryman_sync_nccl import config
+    except ImportError:
+        from types import SimpleNamespace
+
+        unknown = set(fields) - set(defaults)
+        if unknown:
+            raise TypeError(f"unknown transport config fields: {sorted(unknown)}") from None
+        return SimpleNamespace(**{**defaults, **fields})
+    return getattr(config, cls_name)(**fields)
+
 
 def transport_config(**fields: Any) -> Any:
     """An ``NcclSyncConfig``, or, where core/pydantic cannot be imported (a GPU box with torch
     alone), a namespace with the same fields and defaults."""
-    try:
-        from ferryman_sync_nccl.config import NcclSyncConfig
-    except ImportError:
-        from types import SimpleNamespace
+    return _config("NcclSyncConfig", CONFIG_DEFAULTS, fields)
 
-        unknown = set(fields) - set(CONFIG_DEFAULTS)
-        if unknown:
-            raise TypeError(f"unknown transport config fields: {sorted(unknown)}") from None
-        return SimpleNamespace(**{**CONFIG_DEFAULTS, **fields})
-    return NcclSyncConfig(**fields)
+
+def ipc_config(**fields: Any) -> Any:
+    """An ``IpcSyncConfig``, or a namespace with its fields and defaults (see
+    :func:`transport_config`)."""
+    return _config("IpcSyncConfig", IPC_CONFIG_DEFAULTS, fields)
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
@@ -180,21 +202,24 @@ def _resolve(path: str) -> Any:
 # --------------------------------------------------------------------------- child process
 
 
+RECEIVERS = {"nccl": "ferryman_sync_nccl.receiver:WeightReceiver", "cuda_ipc": "ferryman_sync_nccl.ipc:IpcReceiver"}
+"""This package's receivers, for :class:`_DirectReceivers`."""
+
+
 class _DirectReceivers:
-    """Receivers built without core's plugin host (only the ``nccl`` one)."""
+    """Receivers built without core's plugin host (this package's own: ``nccl``, ``cuda_ipc``)."""
 
     def __init__(self) -> None:
         self.by_type: dict[str, Any] = {}
 
     async def attach(self, host: Any, sync_type: str, params: dict[str, Any], engine: Any, replica: str) -> None:
-        from ferryman_sync_nccl.receiver import WeightReceiver
-
-        if sync_type != "nccl":
-            raise ValueError(f"without the plugin host only the 'nccl' receiver can be built, not {sync_type!r}")
+        if sync_type not in RECEIVERS:
+            raise ValueError(f"without the plugin host only {', '.join(RECEIVERS)} receivers can be built, not {sync_type!r}")
         old = self.by_type.pop(sync_type, None)
         if old is not None:
             old.close()
-        self.by_type[sync_type] = WeightReceiver(params, sink=engine.load_weights, loop=asyncio.get_running_loop(), name=replica).start()
+        cls = _resolve(RECEIVERS[sync_type])
+        self.by_type[sync_type] = cls(params, sink=engine.load_weights, loop=asyncio.get_running_loop(), name=replica).start()
 
     async def close(self) -> None:
         while self.by_type:
@@ -264,7 +289,7 @@ class EngineProcessError(RuntimeError):
     """A call into an engine process failed, or the process died."""
 
 
-PRELOAD = ["torch", "torch.distributed", "ferryman.plugins", "ferryman.engine_host", "ferryman_sync_nccl.testing", "ferryman_sync_nccl.receiver"]
+PRELOAD = ["torch", "torch.distributed", "ferryman.plugins", "ferryman.engine_host", "ferryman_sync_nccl.testing", "ferryman_sync_nccl.receiver", "ferryman_sync_nccl.ipc"]
 """Modules the fork server imports once, so that each engine process starts in a fraction of
 a second instead of importing torch again."""
 
