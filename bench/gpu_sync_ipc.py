@@ -159,7 +159,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     res.update(copies(params, args))
     gb = nbytes / 1e9
     one, per = _med(res["copy_one_s"]), _med(res["copy_per_tensor_s"])
-    print(f"copy, one block: {one * 1e3:.2f} ms ({gb / one:.0f} GB/s); copy, per tensor: {per * 1e3:.2f} ms ({gb / per:.0f} GB/s)", flush=True)
+    print(f"copy, one block: {one * 1e3:.2f} ms ({gb / one:.1f} GB/s); copy, per tensor: {per * 1e3:.2f} ms ({gb / per:.1f} GB/s)", flush=True)
 
     child = ProcessEngine(
         "rollout-0", ENGINE, {"shapes": shapes, "dtype": "bfloat16", "device": dev},
@@ -177,12 +177,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             print(f"\n### bucket {bucket_mb:g} MiB ({next(iter(r.values()))['buckets']:.0f} buckets)")
             print("| what | median | GB/s | vs one-block copy | vs per-tensor copy |")
             print("|---|---|---|---|---|")
-            print(f"| copy, one block | {one * 1e3:.2f} ms | {gb / one:.0f} | 1.00x | |")
-            print(f"| copy, per tensor | {per * 1e3:.2f} ms | {gb / per:.0f} | {per / one:.2f}x | 1.00x |")
+            print(f"| copy, one block | {one * 1e3:.2f} ms | {gb / one:.1f} | 1.00x | |")
+            print(f"| copy, per tensor | {per * 1e3:.2f} ms | {gb / per:.1f} | {per / one:.2f}x | 1.00x |")
             for key, label in (("plain", "checksums off"), ("verify", "checksums on")):
                 if key in r:
                     upd = _med(r[key]["update_s"])
-                    print(f"| cuda_ipc update ({label}) | {upd * 1e3:.2f} ms | {gb / upd:.0f} | **{upd / one:.2f}x** | **{upd / per:.2f}x** |")
+                    print(f"| cuda_ipc update ({label}) | {upd * 1e3:.2f} ms | {gb / upd:.1f} | **{upd / one:.2f}x** | **{upd / per:.2f}x** |")
             print(f"(buffers handed out once in {max(x['connect_s'] for x in r.values()):.2f}s, not counted)", flush=True)
         want = digest(params)
         got = await child.call("ferryman_sync_nccl.testing:engine_digest")
