@@ -1,6 +1,7 @@
 """The ``cuda_ipc`` transport with receivers in this process, on host shared memory (the CPU
-form of the same code): core's WeightSyncContract, casting and splitting, double buffering,
-checksums, refused buckets, a raising iterator, engines on another host, config errors."""
+form of the same code): casting and splitting, double buffering, checksums, refused buckets, a
+raising iterator, engines on another host, config errors (core's WeightSyncContract is in
+test_contract.py, for both transports)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ import ferryman_sync_nccl.ipc as ipc
 from ferryman.config import ConfigError, validate_plugin_section
 from ferryman.engine_host import EngineHandle
 from ferryman.plugins import PluginHost
-from ferryman.testing import WeightSyncContract
-from ferryman.testing.doubles import EchoEngine
 from ferryman_sync_nccl import IpcSync, IpcSyncConfig, TransferError, hooks
 from ferryman_sync_nccl.testing import IPC_CONFIG_DEFAULTS, TensorDictEngine
 
@@ -37,88 +36,6 @@ def _host() -> PluginHost:
 
 def _our_files() -> list[str]:
     return [f for f in os.listdir(ipc.shm_dir()) if f.startswith("ferryman-ipc-")]
-
-
-class _Handles:
-    def __init__(self):
-        self.handles = []
-
-    async def close(self):
-        for h in self.handles:
-            await h.shutdown()
-
-
-class TestIpcSyncContractEcho(WeightSyncContract):
-    """With core's EchoEngine (one weight), ZeroMQ metadata."""
-
-    @pytest.fixture
-    def transport(self):
-        t = IpcSync(IpcSyncConfig(device="cpu", timeout_s=10, bucket_megabytes=1))
-        yield t
-        t.close()
-
-    @pytest.fixture
-    def weights(self):
-        return [("shift", torch.tensor([3.0]))]
-
-    @pytest.fixture
-    async def make_engines(self):
-        made = _Handles()
-
-        async def make(k):
-            engines = [EngineHandle(f"e{i}", engine=EchoEngine(), plugin_host=_host()) for i in range(k)]
-            for e in engines:
-                await e.start()
-            made.handles += engines
-            return engines
-
-        yield make
-        await made.close()
-
-    @pytest.fixture
-    def read_weights(self):
-        async def read(handle):
-            return dict(handle._engine.weights)
-
-        return read
-
-
-CONTRACT_SHAPES = {"emb": (64, 16), "layer.w": (300, 40), "layer.b": (40,), "steps": ()}
-
-
-class TestIpcSyncContractTensorDict(WeightSyncContract):
-    """With a many-tensor engine, 16 KiB buckets (a tensor split across buckets), checksums,
-    and the TCPStore channel."""
-
-    @pytest.fixture
-    def transport(self):
-        t = IpcSync(IpcSyncConfig(device="cpu", timeout_s=10, metadata="store", bucket_megabytes=16 / 1024))
-        yield t
-        t.close()
-
-    @pytest.fixture
-    def weights(self):
-        g = torch.Generator().manual_seed(1)
-        return [(n, torch.randn(s, generator=g)) for n, s in CONTRACT_SHAPES.items()]
-
-    @pytest.fixture
-    async def make_engines(self):
-        made = _Handles()
-
-        async def make(k):
-            engines = [EngineHandle(f"e{i}", engine=TensorDictEngine(CONTRACT_SHAPES), plugin_host=_host()) for i in range(k)]
-            made.handles += engines
-            return engines
-
-        yield make
-        await made.close()
-
-    @pytest.fixture
-    def read_weights(self):
-        async def read(handle):
-            return dict(handle._engine.weights)
-
-        return read
 
 
 @pytest.fixture

@@ -13,61 +13,16 @@ import torch
 
 from ferryman.sync import Synchronizer, WeightSyncError
 from ferryman_sync_nccl import IpcSync, IpcSyncConfig
-from ferryman_sync_nccl.testing import ProcessEngine, digest
+from ferryman_sync_nccl.testing import FixedWeightsBackend, RollouterDouble, digest, start_engines, stop_engines
 
-FACTORY = "ferryman_sync_nccl.testing:TensorDictEngine"
 SHAPES = {f"layers.{i}.w": (64, 1024) for i in range(12)} | {"embed": (3000, 256), "norm": (256,), "step": ()}
-
-
-class _Backend:
-    """Trainer-backend double: streams a fixed dict of full tensors in buckets."""
-
-    def __init__(self) -> None:
-        self.weights: dict[str, torch.Tensor] = {}
-
-    def new_weights(self, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.weights = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
-
-    def iter_weight_buckets(self, bucket_bytes: int):
-        bucket, size = [], 0
-        for name, t in self.weights.items():
-            if bucket and size + t.numel() * 4 > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, t))
-            size += t.numel() * 4
-        if bucket:
-            yield bucket
-
-
-class _Rollouter:
-    def __init__(self) -> None:
-        self.reset_to: list[int] = []
-
-    async def pause_for_sync(self, wait_for_active: bool) -> float:
-        return 0.0
-
-    async def reset_staleness(self, version: int) -> int:
-        self.reset_to.append(version)
-        return 0
-
-
-async def _spawn(n: int, **engine_kw) -> list[ProcessEngine]:
-    engines = [ProcessEngine(f"replica-{i}", FACTORY, {"shapes": SHAPES, **engine_kw}) for i in range(n)]
-    await asyncio.gather(*(e.start() for e in engines))
-    return engines
-
-
-async def _stop(engines) -> None:
-    await asyncio.gather(*(e.shutdown() for e in engines), return_exceptions=True)
 
 
 @pytest.mark.slow
 async def test_engine_processes_get_bit_identical_weights_and_agree_on_versions():
-    engines = await _spawn(2)
+    engines = await start_engines(2, SHAPES)
     transport = IpcSync(IpcSyncConfig(device="cpu", bucket_megabytes=0.5, timeout_s=20))
-    backend, rollouter = _Backend(), _Rollouter()
+    backend, rollouter = FixedWeightsBackend(SHAPES), RollouterDouble()
     sync = Synchronizer(backend=backend, transport=transport, engines=engines, rollouter=rollouter, partial_rollout=True, bucket_bytes=1 << 20)
     try:
         for version in (1, 2, 3):
@@ -87,15 +42,15 @@ async def test_engine_processes_get_bit_identical_weights_and_agree_on_versions(
         assert all(s["version"] == 3 and s["alive"] and s["error"] is None for s in states), states
     finally:
         sync.close()
-        await _stop(engines)
+        await stop_engines(engines)
 
 
 @pytest.mark.slow
 async def test_a_receiver_killed_mid_sync_fails_it_within_the_timeout_and_the_survivor_recovers():
     timeout_s = 4.0
-    engines = await _spawn(2, load_delay_s=0.2)
+    engines = await start_engines(2, SHAPES, load_delay_s=0.2)
     transport = IpcSync(IpcSyncConfig(device="cpu", bucket_megabytes=0.5, timeout_s=timeout_s, metadata="store"))
-    backend, rollouter = _Backend(), _Rollouter()
+    backend, rollouter = FixedWeightsBackend(SHAPES), RollouterDouble()
     sync = Synchronizer(backend=backend, transport=transport, engines=engines, rollouter=rollouter, partial_rollout=True, bucket_bytes=1 << 20)
     try:
         backend.new_weights(1)
@@ -125,4 +80,4 @@ async def test_a_receiver_killed_mid_sync_fails_it_within_the_timeout_and_the_su
         assert await engines[0].get_version() == 3
     finally:
         sync.close()
-        await _stop(engines)
+        await stop_engines(engines)

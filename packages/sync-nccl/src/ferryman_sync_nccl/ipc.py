@@ -55,8 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ferryman_sync_nccl import group as G
-from ferryman_sync_nccl.channel import ChannelClosed
-from ferryman_sync_nccl.receiver import BucketReceiver, _Broken, _SyncState
+from ferryman_sync_nccl.receiver import BucketReceiver, _SyncState
 from ferryman_sync_nccl.sender import BucketSync, _Session
 from ferryman_sync_nccl.wire import TRAILER_BYTES
 
@@ -363,42 +362,13 @@ class IpcReceiver(BucketReceiver):
         self.channel.handshake(self.generation, self.rank, time.monotonic() + self.connect_timeout_s)
         self.ready.set()
 
-    def _sync(self, begin: dict[str, Any]) -> None:
-        sync = begin["sync"]
-        version = int(begin["version"])
-        st = _SyncState(sync, version, bool(begin["verify"]))
-        try:
-            while True:
-                msg = self.channel.recv(self.timeout_s)
-                if msg is None:
-                    raise _Broken(f"no metadata from the sender within {self.timeout_s:g}s during the sync to version {version}")
-                op = msg.get("op")
-                if op == "bucket":
-                    k = msg.get("k")
-                    if msg.get("sync") != sync or k != st.buckets:
-                        raise _Broken(f"metadata out of order: expected bucket {st.buckets} of sync {sync}, got {k} of {msg.get('sync')}")
-                    st.buckets += 1
-                    st.bytes += int(msg["nbytes"])
-                    self._consume(self.bufs[int(msg["slot"])], msg, st)
-                    # the engine's copies out of the buffer must be over before it is refilled
-                    t = time.perf_counter()
-                    G.wait_stream(self.device, self.timeout_s, f"loading bucket {k}")
-                    st.wait_s += time.perf_counter() - t
-                    self.channel.send({"op": "ack", "ack": f"{sync}/{k}", "sync": sync, "k": k, "rank": self.rank})
-                elif op == "end":
-                    if st.error is None and st.assembler.incomplete():
-                        st.error = f"tensors still incomplete at the end: {', '.join(st.assembler.incomplete()[:5])}"
-                    self._report(st)
-                    return
-                elif op == "abort":
-                    st.error = f"aborted by the sender: {msg.get('reason')}"
-                    st.fatal = bool(msg.get("group_failed"))
-                    self._report(st)
-                    if st.fatal:
-                        raise _Broken(st.error)
-                    return
-                elif op == "close":
-                    self._closed.set()
-                    return
-        except (G.GroupError, _Broken, ChannelClosed) as e:
-            raise self._stopped(st, e) from e
+    def _bucket(self, msg: dict[str, Any], st: _SyncState) -> None:
+        k = int(msg["k"])
+        st.buckets += 1
+        st.bytes += int(msg["nbytes"])
+        self._consume(self.bufs[int(msg["slot"])], msg, st)
+        # the engine's copies out of the buffer must be over before it is refilled
+        t = time.perf_counter()
+        G.wait_stream(self.device, self.timeout_s, f"loading bucket {k}")
+        st.wait_s += time.perf_counter() - t
+        self.channel.send({"op": "ack", "ack": f"{st.sync}/{k}", "sync": st.sync, "k": k, "rank": self.rank})

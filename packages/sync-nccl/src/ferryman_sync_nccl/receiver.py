@@ -146,8 +146,48 @@ class BucketReceiver:
     def _join(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _sync(self, begin: dict[str, Any]) -> None:  # pragma: no cover - abstract
+    def _sync(self, begin: dict[str, Any]) -> None:
+        """One sync, from ``begin`` to ``end`` (or ``abort``/``close``)."""
+        st = _SyncState(begin["sync"], int(begin["version"]), bool(begin["verify"]))
+        try:
+            while True:
+                msg = self.channel.recv(self.timeout_s)
+                if msg is None:
+                    raise _Broken(f"no metadata from the sender within {self.timeout_s:g}s during the sync to version {st.version}")
+                op = msg.get("op")
+                if op == "bucket":
+                    if msg.get("sync") != st.sync or msg.get("k") != st.buckets:
+                        raise _Broken(f"metadata out of order: expected bucket {st.buckets} of sync {st.sync}, got {msg.get('k')} of {msg.get('sync')}")
+                    self._bucket(msg, st)
+                elif op == "end":
+                    self._drain(st)
+                    if st.error is None and st.assembler.incomplete():
+                        st.error = f"tensors still incomplete at the end: {', '.join(st.assembler.incomplete()[:5])}"
+                    self._report(st)
+                    return
+                elif op == "abort":
+                    st.error = f"aborted by the sender: {msg.get('reason')}"
+                    st.fatal = bool(msg.get("group_failed"))
+                    self._report(st)
+                    if st.fatal:
+                        raise _Broken(st.error)
+                    self._settle(st)
+                    return
+                elif op == "close":
+                    self._closed.set()
+                    return
+        except (G.GroupError, _Broken, ChannelClosed) as e:
+            raise self._stopped(st, e) from e
+
+    def _bucket(self, msg: dict[str, Any], st: _SyncState) -> None:  # pragma: no cover - abstract
+        """Bucket ``msg["k"]`` was announced: receive it (count it in ``st``) and load it."""
         raise NotImplementedError
+
+    def _drain(self, st: _SyncState) -> None:
+        """The sync's ``end`` came: finish what is still in flight."""
+
+    def _settle(self, st: _SyncState) -> None:
+        """The sender aborted the sync (its group is fine): leave nothing in flight."""
 
     def _on_error(self) -> None:
         """The receiver thread stopped on an error."""
@@ -263,53 +303,26 @@ class WeightReceiver(BucketReceiver):
         self.bufs = [torch.empty(self.bucket_bytes + TRAILER_BYTES, dtype=torch.uint8, device=self.device) for _ in range(2)]
         self.ready.set()
 
-    def _sync(self, begin: dict[str, Any]) -> None:
-        sync = begin["sync"]
-        version = int(begin["version"])
-        verify = bool(begin["verify"])
-        st = _SyncState(sync, version, verify)
-        pending: tuple[dict[str, Any], Any, int] | None = None
-        try:
-            while True:
-                msg = self.channel.recv(self.timeout_s)
-                if msg is None:
-                    raise _Broken(f"no metadata from the sender within {self.timeout_s:g}s during the sync to version {version}")
-                op = msg.get("op")
-                if op == "bucket":
-                    if msg.get("sync") != sync or msg.get("k") != st.buckets:
-                        raise _Broken(f"metadata out of order: expected bucket {st.buckets} of sync {sync}, got {msg.get('k')} of {msg.get('sync')}")
-                    slot = st.buckets % 2
-                    n = int(msg["nbytes"]) + (TRAILER_BYTES if verify else 0)
-                    # start receiving bucket k into the free buffer, then load bucket k-1
-                    work = G.broadcast(self.pg, self.bufs[slot][:n]) if n else None
-                    st.buckets += 1
-                    st.bytes += int(msg["nbytes"])
-                    if pending is not None:
-                        self._finish(pending, st)
-                    pending = (msg, work, slot)
-                elif op == "end":
-                    if pending is not None:
-                        self._finish(pending, st)
-                        pending = None
-                    G.wait_stream(self.device, self.timeout_s, "loading the last bucket")
-                    if st.error is None and st.assembler.incomplete():
-                        st.error = f"tensors still incomplete at the end: {', '.join(st.assembler.incomplete()[:5])}"
-                    self._report(st)
-                    return
-                elif op == "abort":
-                    st.error = f"aborted by the sender: {msg.get('reason')}"
-                    st.fatal = bool(msg.get("group_failed"))
-                    self._report(st)
-                    if st.fatal:
-                        raise _Broken(st.error)
-                    if pending is not None:
-                        G.wait(pending[1], self.timeout_s, cuda=self.cuda)
-                    return
-                elif op == "close":
-                    self._closed.set()
-                    return
-        except (G.GroupError, _Broken, ChannelClosed) as e:
-            raise self._stopped(st, e) from e
+    def _bucket(self, msg: dict[str, Any], st: _SyncState) -> None:
+        slot = st.buckets % 2
+        n = int(msg["nbytes"]) + (TRAILER_BYTES if st.verify else 0)
+        # start receiving bucket k into the free buffer, then load bucket k-1
+        work = G.broadcast(self.pg, self.bufs[slot][:n]) if n else None
+        st.buckets += 1
+        st.bytes += int(msg["nbytes"])
+        if st.pending is not None:
+            self._finish(st.pending, st)
+        st.pending = (msg, work, slot)
+
+    def _drain(self, st: _SyncState) -> None:
+        if st.pending is not None:
+            self._finish(st.pending, st)
+            st.pending = None
+        G.wait_stream(self.device, self.timeout_s, "loading the last bucket")
+
+    def _settle(self, st: _SyncState) -> None:
+        if st.pending is not None:
+            G.wait(st.pending[1], self.timeout_s, cuda=self.cuda)
 
     def _finish(self, pending: tuple[dict[str, Any], Any, int], st: _SyncState) -> None:
         msg, work, slot = pending
@@ -333,3 +346,5 @@ class _SyncState:
         self.error: str | None = None
         self.fatal = False
         self.reported = False
+        self.pending: Any = None
+        """nccl: the bucket received last, not yet loaded (message, work, buffer)."""

@@ -439,6 +439,55 @@ def _set_error(fut: asyncio.Future, err: BaseException) -> None:
         fut.set_exception(err)
 
 
+async def start_engines(n: int, shapes: dict[str, tuple[int, ...]], **engine_kw: Any) -> list[ProcessEngine]:
+    """``n`` :class:`TensorDictEngine` replicas (``replica-0``...), each in its own process."""
+    engines = [ProcessEngine(f"replica-{i}", "ferryman_sync_nccl.testing:TensorDictEngine", {"shapes": shapes, **engine_kw}) for i in range(n)]
+    await asyncio.gather(*(e.start() for e in engines))
+    return engines
+
+
+async def stop_engines(engines: list[ProcessEngine]) -> None:
+    await asyncio.gather(*(e.shutdown() for e in engines), return_exceptions=True)
+
+
+class FixedWeightsBackend:
+    """Trainer-backend double for core's Synchronizer: streams a dict of full float32 tensors
+    (``new_weights(seed)`` draws them) in buckets, as ``iter_weight_buckets`` does."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        self.shapes = shapes
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def new_weights(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.weights = {n: torch.randn(s, generator=g) for n, s in self.shapes.items()}
+
+    def iter_weight_buckets(self, bucket_bytes: int) -> Any:
+        bucket, size = [], 0
+        for name, t in self.weights.items():
+            if bucket and size + t.numel() * 4 > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t))
+            size += t.numel() * 4
+        if bucket:
+            yield bucket
+
+
+class RollouterDouble:
+    """Rollouter double: the two calls core's Synchronizer makes (records the resets)."""
+
+    def __init__(self) -> None:
+        self.reset_to: list[int] = []
+
+    async def pause_for_sync(self, wait_for_active: bool) -> float:
+        return 0.0
+
+    async def reset_staleness(self, version: int) -> int:
+        self.reset_to.append(version)
+        return 0
+
+
 # functions run in an engine process through ProcessEngine.call
 
 
