@@ -116,15 +116,16 @@ def local_device(ident: dict[str, Any], replica: str) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError(f"cuda_ipc: {replica}'s process sees no GPU, the trainer's buffers are on GPU {ident['uuid']} ({ident['name']}); {USE_NCCL}")
-    seen = []
-    for i in range(torch.cuda.device_count()):
-        u = gpu_uuid(i)
-        if u == ident["uuid"]:
-            return torch.device("cuda", i)
-        seen.append(u)
+    # the engine's GPU is this process's current device (under Ray, the only one it sees);
+    # seeing the trainer's GPU as well is not enough: the engine's weights live elsewhere
+    here_index = torch.cuda.current_device()
+    here_uuid = gpu_uuid(here_index)
+    if here_uuid == ident["uuid"]:
+        return torch.device("cuda", here_index)
     raise ValueError(
         f"cuda_ipc: {replica} is on a different GPU than the trainer: the trainer's buffers are on GPU {ident['uuid']} "
-        f"({ident['name']}), this process sees {', '.join(seen)}; cuda_ipc needs every engine on the trainer's own GPU; {USE_NCCL}"
+        f"({ident['name']}), this engine works on cuda:{here_index} = GPU {here_uuid}; cuda_ipc needs every engine on the "
+        f"trainer's own GPU; {USE_NCCL}"
     )
 
 
