@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import os
 import platform
@@ -52,18 +51,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "packages/sync-nccl/src")
 import torch  # noqa: E402
 
 from ferryman_sync_nccl.ipc import IpcSync  # noqa: E402
-from ferryman_sync_nccl.testing import QWEN25_7B, SMALL, ProcessEngine, digest, ipc_config, qwen2_shapes  # noqa: E402
+from ferryman_sync_nccl.testing import ProcessEngine, QWEN25_7B, SMALL, digest, have, ipc_config, qwen2_shapes  # noqa: E402
 
 ENGINE = "ferryman_sync_nccl.testing:TensorDictEngine"
 MODELS = {"7b": QWEN25_7B, "small": SMALL}
-
-
-def _have(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
 
 
 def _med(xs: list[float]) -> float:
@@ -141,7 +132,7 @@ async def ours(child: ProcessEngine, named: list, args: argparse.Namespace, buck
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     cuda = args.device == "cuda"
     torch.set_num_threads(args.threads)
-    metadata = args.metadata if args.metadata != "auto" else ("zmq" if _have("zmq") else "store")
+    metadata = args.metadata if args.metadata != "auto" else ("zmq" if have("zmq") else "store")
     spec = dict(MODELS[args.model])
     if args.layers is not None:
         spec["layers"] = args.layers

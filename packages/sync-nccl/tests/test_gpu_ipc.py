@@ -11,7 +11,6 @@ The same logic runs on CPUs over host shared memory in test_ipc.py and test_ipc_
 from __future__ import annotations
 
 import asyncio
-import importlib
 import time
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 import ferryman_sync_nccl.ipc as ipc
 from ferryman_sync_nccl.ipc import IpcReceiver, IpcSync
 from ferryman_sync_nccl.sender import TransferError
-from ferryman_sync_nccl.testing import ProcessEngine, TensorDictEngine, digest, ipc_config
+from ferryman_sync_nccl.testing import ProcessEngine, TensorDictEngine, digest, have, ipc_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -29,15 +28,7 @@ ENGINE = "ferryman_sync_nccl.testing:TensorDictEngine"
 SHAPES = {"embed": (8192, 512), **{f"layers.{i}.w": (512, 1536) for i in range(6)}, "layers.0.b": (1536,), "norm": (512,)}
 
 
-def _have(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
-
-
-METADATA = "zmq" if _have("zmq") else "store"
+METADATA = "zmq" if have("zmq") else "store"
 
 
 def _child(name: str = "rollout-0", gpu: int = 0, **kw) -> ProcessEngine:

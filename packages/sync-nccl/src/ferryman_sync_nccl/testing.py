@@ -118,6 +118,15 @@ def ipc_config(**fields: Any) -> Any:
     return _config("IpcSyncConfig", IPC_CONFIG_DEFAULTS, fields)
 
 
+def have(module: str) -> bool:
+    """Whether ``module`` can be imported here (a GPU box may have torch alone)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def digest(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     """Per-tensor eight int64 lane sums of the raw bytes (equal iff bit-identical, with
     overwhelming probability); computed where the tensors are, returned as plain lists."""
