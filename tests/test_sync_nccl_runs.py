@@ -139,13 +139,15 @@ def _inline(run_dir: Path, tiny_model: Path, weight_sync: str) -> list[dict]:
             f"run_dir={run_dir}",
             f"model.path={tiny_model}",
             "model.build_tiny=false",
-            # generation and training take turns: the run is a function of the seed, so two
-            # transports that deliver the same weights give the same numbers
+            # generation and training take turns, one replica generates one sequence at a time:
+            # the run is a function of the seed, so two transports that deliver the same
+            # weights give the same numbers
             "async_training.colocated=true",
             "async_training.staleness_threshold=0",
             "async_training.partial_rollout=false",
             "rollout.n=4",
-            "rollout.num_replicas=2",
+            "rollout.num_replicas=1",
+            "rollout.max_concurrency_per_replica=1",
             "training.ppo_mini_batch_size=4",
             "training.total_steps=4",
             "trackers=[{type: jsonl}]",
