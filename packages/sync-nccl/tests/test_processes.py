@@ -82,7 +82,7 @@ async def test_a_receiver_killed_mid_sync_fails_it_within_the_timeout_and_surviv
         msg = str(info.value)
         assert "version 2" in msg and "replica-1: DEAD" in msg and "replica-0: alive" in msg, msg
         if kind == "cuda_ipc":
-            assert "no receiver acknowledged bucket" in msg, msg
+            assert "not acknowledged within" in msg, msg
         assert await engines[0].get_version() == 1, "no replica takes a version that not all of them got"
         # the survivor alone: the group is rebuilt (fresh buffers) and the next sync lands
         backend.new_weights(3)

@@ -294,7 +294,7 @@ class _IpcSession(_Session):
         got = self.channel.acks(sync, k, self.ranks, time.monotonic() + self.cfg.timeout_s)
         missing = [self.names[r - 1] for r in self.ranks if r not in got]
         if missing:
-            raise G.GroupError(f"no receiver acknowledged bucket {k} within {self.cfg.timeout_s:g}s: {', '.join(missing)}")
+            raise G.GroupError(f"bucket {k} not acknowledged within {self.cfg.timeout_s:g}s by {', '.join(missing)}")
 
     def ship(self, sync: int, k: int, slot: int, buf: torch.Tensor, used: int, n: int, entries: list) -> None:
         # the receivers read the buffer as soon as they hear of it: packing must be over
