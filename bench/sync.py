@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import os
 import platform
@@ -53,18 +52,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "packages/sync-nccl/src")
 import torch  # noqa: E402
 
 from ferryman_sync_nccl.sender import NcclSync  # noqa: E402
-from ferryman_sync_nccl.testing import QWEN25_7B, SMALL, ProcessEngine, digest, qwen2_shapes, raw_broadcast_rounds, raw_store, transport_config  # noqa: E402
+from ferryman_sync_nccl.testing import ProcessEngine, QWEN25_7B, SMALL, digest, have, qwen2_shapes, raw_broadcast_rounds, raw_store, transport_config  # noqa: E402
 
 ENGINE = "ferryman_sync_nccl.testing:TensorDictEngine"
 MODELS = {"7b": QWEN25_7B, "small": SMALL}
-
-
-def _have(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
 
 
 def _med(xs: list[float]) -> float:
@@ -116,8 +107,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     cuda = args.device == "cuda"
     backend = "nccl" if cuda else "gloo"
     torch.set_num_threads(args.threads)
-    metadata = args.metadata if args.metadata != "auto" else ("zmq" if _have("zmq") else "store")
-    plugin_host = {"on": True, "off": False}.get(args.plugin_host, _have("ferryman.plugins"))
+    metadata = args.metadata if args.metadata != "auto" else ("zmq" if have("zmq") else "store")
+    plugin_host = {"on": True, "off": False}.get(args.plugin_host, have("ferryman.plugins"))
     spec = dict(MODELS[args.model])
     if args.layers is not None:
         spec["layers"] = args.layers

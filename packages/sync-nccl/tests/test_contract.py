@@ -1,4 +1,5 @@
-"""Core's WeightSyncContract, with receivers in this process (threads of a gloo group)."""
+"""Core's WeightSyncContract for both transports, with receivers in this process: ``nccl``
+(threads of a gloo group) and ``cuda_ipc`` (host shared memory, the CPU form of the GPU code)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from ferryman.engine_host import EngineHandle
 from ferryman.testing import WeightSyncContract
 from ferryman.testing.doubles import EchoEngine
-from ferryman_sync_nccl import NcclSync, NcclSyncConfig
+from ferryman_sync_nccl import IpcSync, IpcSyncConfig, NcclSync, NcclSyncConfig
 from ferryman_sync_nccl.testing import TensorDictEngine
 
 
@@ -21,12 +22,18 @@ class _Handles:
             await h.shutdown()
 
 
-class TestNcclSyncContractEcho(WeightSyncContract):
+def _transport(kind: str, **kw):
+    if kind == "nccl":
+        return NcclSync(NcclSyncConfig(backend="gloo", timeout_s=10, **kw))
+    return IpcSync(IpcSyncConfig(device="cpu", timeout_s=10, **kw))
+
+
+class TestContractEcho(WeightSyncContract):
     """With core's EchoEngine (one weight), ZeroMQ metadata."""
 
-    @pytest.fixture
-    def transport(self):
-        t = NcclSync(NcclSyncConfig(backend="gloo", timeout_s=10, metadata="zmq"))
+    @pytest.fixture(params=["nccl", "cuda_ipc"])
+    def transport(self, request):
+        t = _transport(request.param, metadata="zmq", bucket_megabytes=1)
         yield t
         t.close()
 
@@ -59,13 +66,13 @@ class TestNcclSyncContractEcho(WeightSyncContract):
 SHAPES = {"emb": (64, 16), "layer.w": (300, 40), "layer.b": (40,), "steps": ()}
 
 
-class TestNcclSyncContractTensorDict(WeightSyncContract):
+class TestContractTensorDict(WeightSyncContract):
     """With a many-tensor engine, small buckets (a tensor split across buckets), checksums, and
     the TCPStore metadata channel."""
 
-    @pytest.fixture
-    def transport(self):
-        t = NcclSync(NcclSyncConfig(backend="gloo", timeout_s=10, metadata="store", bucket_megabytes=16 / 1024))
+    @pytest.fixture(params=["nccl", "cuda_ipc"])
+    def transport(self, request):
+        t = _transport(request.param, metadata="store", bucket_megabytes=16 / 1024)
         yield t
         t.close()
 

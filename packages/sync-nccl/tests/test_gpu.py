@@ -11,14 +11,13 @@ The same logic runs on CPUs over gloo in test_processes.py and test_inprocess.py
 from __future__ import annotations
 
 import asyncio
-import importlib
 import time
 
 import pytest
 import torch
 
 from ferryman_sync_nccl.sender import NcclSync, TransferError
-from ferryman_sync_nccl.testing import ProcessEngine, digest, transport_config
+from ferryman_sync_nccl.testing import ProcessEngine, digest, have, transport_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,16 +27,8 @@ pytestmark = [
 ENGINE = "ferryman_sync_nccl.testing:TensorDictEngine"
 # "embed" (16 MiB in float32 → 8 MiB in bf16) is split over the 4 MiB buckets
 SHAPES = {"embed": (8192, 512), **{f"layers.{i}.w": (512, 1536) for i in range(6)}, "layers.0.b": (1536,), "norm": (512,)}
-def _have(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
-
-
-METADATA = "zmq" if _have("zmq") else "store"
-CORE = _have("ferryman.plugins")
+METADATA = "zmq" if have("zmq") else "store"
+CORE = have("ferryman.plugins")
 # where each side lives (a CPU dry run of this file's logic sets cpu/cpu/gloo)
 SENDER, RECEIVER, BACKEND = "cuda:0", "cuda:1", "nccl"
 

@@ -1,8 +1,9 @@
 """The side channel beside the broadcast: bucket metadata from the sender to every receiver,
 and hellos and reports from the receivers back.
 
-Two implementations with one interface: ZeroMQ (PUB/SUB for metadata, PUSH/PULL for reports;
-the default) and the group's TCPStore (keys; no pyzmq needed). Messages are small JSON objects.
+Two implementations with one interface: ZeroMQ (PUB/SUB for metadata, PUSH/PULL for reports
+and, for ``cuda_ipc``, the per-bucket acks; the default) and the group's TCPStore (keys; no
+pyzmq needed). Messages are small JSON objects.
 Metadata is numbered; a receiver checks that none is missing.
 """
 
@@ -79,9 +80,15 @@ class ZmqSender:
                 break
             if msg.get("op") == op and msg.get(key) == value and msg.get("rank") in ranks:
                 got[msg["rank"]] = msg
-            elif msg.get("op") in ("hello", "report", "pong"):
+            elif msg.get("op") in ("hello", "report", "pong", "ack"):
                 self._pending.append(msg)
         return got
+
+    def acks(self, sync: int, k: int, ranks: list[int], deadline: float) -> dict[int, dict[str, Any]]:
+        """Each receiver's ``ack`` of bucket ``k`` of sync ``sync`` (``cuda_ipc``: it is done
+        with that bucket's buffer), until the deadline. Acks of earlier buckets are dropped."""
+        self._pending = [m for m in self._pending if not (m.get("op") == "ack" and (m.get("sync", 0), m.get("k", 0)) < (sync, k))]
+        return self.collect("ack", "ack", f"{sync}/{k}", ranks, deadline)
 
     def hellos(self, generation: str, ranks: list[int], deadline: float) -> dict[int, dict[str, Any]]:
         return self.collect("hello", "generation", generation, ranks, deadline)
@@ -210,6 +217,16 @@ class StoreSender:
         assert op == "report" and key == "sync"
         return self._wait_keys({r: f"r/{value}/{r}" for r in ranks}, deadline)
 
+    def acks(self, sync: int, k: int, ranks: list[int], deadline: float) -> dict[int, dict[str, Any]]:
+        keys = {r: f"a/{sync}/{k}/{r}" for r in ranks}
+        got = self._wait_keys(keys, deadline)
+        for r in got:
+            try:
+                self.store.delete_key(keys[r])
+            except Exception:  # noqa: BLE001
+                pass
+        return got
+
     def done(self, sync: int) -> None:
         """Drop the keys of a finished sync (every receiver has read them)."""
         for key in self._sync_keys:
@@ -240,6 +257,8 @@ class StoreReceiver:
             key = f"hello/{self.rank}"
         elif msg["op"] == "report":
             key = f"r/{msg['sync']}/{self.rank}"
+        elif msg["op"] == "ack":
+            key = f"a/{msg['sync']}/{msg['k']}/{self.rank}"
         else:
             return
         self.store.set(key, json.dumps(msg))

@@ -38,3 +38,32 @@ class NcclSyncConfig(PluginConfig):
     seconds fails the sync (a dead or stuck receiver never hangs the trainer)."""
     connect_timeout_s: float = Field(120.0, gt=0)
     """Time allowed for every receiver to join the group when it is (re)built."""
+
+
+class IpcSyncConfig(PluginConfig):
+    """``weight_sync: {type: cuda_ipc, ...}``: engine replicas on the trainer's own GPU (or, on
+    CPUs, the trainer's own host) read each bucket straight out of the trainer's two buffers."""
+
+    type: Literal["cuda_ipc"] = "cuda_ipc"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where the two shared buffers live: ``cuda`` (the trainer's current GPU; engines must be on
+    that GPU), ``cpu`` (host shared memory; engines on any device of this host), or ``auto``:
+    cuda when the trainer's process sees a GPU, else cpu."""
+    bucket_megabytes: float = Field(512.0, gt=0)
+    """Size of each of the two shared buffers in MiB (the only memory this transport adds; on
+    the one GPU that trainer and engines share). Tensors are packed into buckets of this size;
+    a larger tensor is split across buckets."""
+    wire_dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    """Cast floating-point tensors to this dtype while packing (e.g. float32 trainer weights to
+    bfloat16 engines). ``null`` keeps every tensor's dtype."""
+    verify: bool = True
+    """Checksum every bucket (eight int64 lane sums, on the device) and check it on every
+    receiver before loading; a mismatch fails the sync."""
+    metadata: Literal["zmq", "store"] = "zmq"
+    """Channel of the bucket metadata, the receivers' acks and reports: ZeroMQ, or keys in a
+    TCPStore (no pyzmq needed)."""
+    timeout_s: float = Field(60.0, gt=0)
+    """A bucket not acknowledged by every receiver, a metadata message or a report that does not
+    arrive within this many seconds fails the sync (a dead receiver never hangs the trainer)."""
+    connect_timeout_s: float = Field(120.0, gt=0)
+    """Time allowed for every receiver to attach and report in when the session is (re)built."""

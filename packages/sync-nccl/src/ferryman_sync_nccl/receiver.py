@@ -40,12 +40,14 @@ class _Broken(RuntimeError):
     """The group or the channel failed: this receiver stops."""
 
 
-class WeightReceiver:
-    """Receives every sync of one transport session and loads it through ``sink``.
+class BucketReceiver:
+    """What the receivers of the ``nccl`` and ``cuda_ipc`` transports share: the sender's store
+    and metadata channel, the thread that waits for syncs, the heartbeat, checking and loading
+    one bucket, and the report. Subclasses give :meth:`_join` and :meth:`_sync`.
 
-    ``params`` come from the sender (:meth:`ferryman_sync_nccl.sender._Session.receiver_params`);
-    ``sink(named_tensors)`` loads one bucket (an engine's ``load_weights``; may be async) and is
-    run on ``loop`` when given, else on the receiver's thread.
+    ``params`` come from the sender (``_Session.receiver_params``); ``sink(named_tensors)``
+    loads one bucket (an engine's ``load_weights``; may be async) and is run on ``loop`` when
+    given, else on the receiver's thread.
     """
 
     def __init__(self, params: dict[str, Any], *, sink: Callable[[list[tuple[str, torch.Tensor]]], Any], loop: asyncio.AbstractEventLoop | None = None, name: str = "receiver") -> None:
@@ -55,13 +57,13 @@ class WeightReceiver:
         self.name = name
         self.rank = int(params["rank"])
         self.world_size = int(params["world_size"])
-        self.backend = str(params["backend"])
         self.generation = str(params["generation"])
         self.timeout_s = float(params["timeout_s"])
         self.connect_timeout_s = float(params["connect_timeout_s"])
         self.bucket_bytes = int(params["bucket_bytes"])
-        self.cuda = self.backend == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        if not hasattr(self, "device"):
+            self.device = torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
         self.error: str | None = None
         """Why the receiver stopped (None while it runs or after a clean close)."""
         self.ready = threading.Event()
@@ -73,7 +75,7 @@ class WeightReceiver:
         self._sender_gone = threading.Event()
         self._thread: threading.Thread | None = None
         self._own_loop: asyncio.AbstractEventLoop | None = None
-        self.pg: Any = None
+        self.bufs: list[torch.Tensor] = []
         # the parts that fail at once on a wrong address or a missing library fail here, in
         # the caller (attach_weight_receiver), not later in the thread
         self.store = dist.TCPStore(str(params["host"]), int(params["store_port"]), None, False, G._td(self.connect_timeout_s))
@@ -83,7 +85,7 @@ class WeightReceiver:
             self.channel = StoreReceiver(dist.PrefixStore("ch/", self.store), self.rank)
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> WeightReceiver:
+    def start(self) -> BucketReceiver:
         self._thread = threading.Thread(target=self._run, name=f"ferryman-receiver-{self.name}", daemon=True)
         self._thread.start()
         threading.Thread(target=self._heartbeat, name=f"ferryman-receiver-hb-{self.name}", daemon=True).start()
@@ -130,8 +132,7 @@ class WeightReceiver:
             self.error = f"{type(e).__name__}: {e}"
             if not self._closed.is_set():
                 log.warning("weight receiver %s stopped: %s", self.name, self.error)
-            if self.cuda:
-                G.abort(self.pg)
+            self._on_error()
         finally:
             self.ready.set()
             try:
@@ -140,49 +141,26 @@ class WeightReceiver:
                 pass
             if self._own_loop is not None:
                 self._own_loop.close()
-            if self.error is None:
-                G.shutdown(self.pg)
+            self._on_exit()
 
-    def _join(self) -> None:
-        self.channel.send({"op": "hello", "generation": self.generation, "rank": self.rank, "name": self.name})
-        self.pg = G.new_group(dist.PrefixStore("pg/", self.store), self.rank, self.world_size, self.backend, self.connect_timeout_s)
-        self.channel.handshake(self.generation, self.rank, time.monotonic() + self.connect_timeout_s)
-        probe = torch.zeros(64, dtype=torch.uint8, device=self.device)
-        G.wait(G.broadcast(self.pg, probe), self.connect_timeout_s, cuda=self.cuda)
-        G.wait_stream(self.device, self.connect_timeout_s, "the group's first broadcast")
-        self.bufs = [torch.empty(self.bucket_bytes + TRAILER_BYTES, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        self.ready.set()
+    def _join(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
 
-    # ------------------------------------------------------------------ one sync
     def _sync(self, begin: dict[str, Any]) -> None:
-        sync = begin["sync"]
-        version = int(begin["version"])
-        verify = bool(begin["verify"])
-        st = _SyncState(sync, version, verify)
-        pending: tuple[dict[str, Any], Any, int] | None = None
+        """One sync, from ``begin`` to ``end`` (or ``abort``/``close``)."""
+        st = _SyncState(begin["sync"], int(begin["version"]), bool(begin["verify"]))
         try:
             while True:
                 msg = self.channel.recv(self.timeout_s)
                 if msg is None:
-                    raise _Broken(f"no metadata from the sender within {self.timeout_s:g}s during the sync to version {version}")
+                    raise _Broken(f"no metadata from the sender within {self.timeout_s:g}s during the sync to version {st.version}")
                 op = msg.get("op")
                 if op == "bucket":
-                    if msg.get("sync") != sync or msg.get("k") != st.buckets:
-                        raise _Broken(f"metadata out of order: expected bucket {st.buckets} of sync {sync}, got {msg.get('k')} of {msg.get('sync')}")
-                    slot = st.buckets % 2
-                    n = int(msg["nbytes"]) + (TRAILER_BYTES if verify else 0)
-                    # start receiving bucket k into the free buffer, then load bucket k-1
-                    work = G.broadcast(self.pg, self.bufs[slot][:n]) if n else None
-                    st.buckets += 1
-                    st.bytes += int(msg["nbytes"])
-                    if pending is not None:
-                        self._finish(pending, st)
-                    pending = (msg, work, slot)
+                    if msg.get("sync") != st.sync or msg.get("k") != st.buckets:
+                        raise _Broken(f"metadata out of order: expected bucket {st.buckets} of sync {st.sync}, got {msg.get('k')} of {msg.get('sync')}")
+                    self._bucket(msg, st)
                 elif op == "end":
-                    if pending is not None:
-                        self._finish(pending, st)
-                        pending = None
-                    G.wait_stream(self.device, self.timeout_s, "loading the last bucket")
+                    self._drain(st)
                     if st.error is None and st.assembler.incomplete():
                         st.error = f"tensors still incomplete at the end: {', '.join(st.assembler.incomplete()[:5])}"
                     self._report(st)
@@ -193,30 +171,49 @@ class WeightReceiver:
                     self._report(st)
                     if st.fatal:
                         raise _Broken(st.error)
-                    if pending is not None:
-                        G.wait(pending[1], self.timeout_s, cuda=self.cuda)
+                    self._settle(st)
                     return
                 elif op == "close":
                     self._closed.set()
                     return
         except (G.GroupError, _Broken, ChannelClosed) as e:
-            if not st.reported:
-                st.error = st.error or f"{e}"
-                st.fatal = True  # this receiver stops: the sender must rebuild the group
-                try:
-                    self._report(st)
-                except Exception:  # noqa: BLE001
-                    pass
-            raise _Broken(f"{e}") from e
+            raise self._stopped(st, e) from e
 
-    def _finish(self, pending: tuple[dict[str, Any], Any, int], st: _SyncState) -> None:
-        msg, work, slot = pending
-        t = time.perf_counter()
-        G.wait(work, self.timeout_s, cuda=self.cuda)
-        st.wait_s += time.perf_counter() - t
+    def _bucket(self, msg: dict[str, Any], st: _SyncState) -> None:  # pragma: no cover - abstract
+        """Bucket ``msg["k"]`` was announced: receive it (count it in ``st``) and load it."""
+        raise NotImplementedError
+
+    def _drain(self, st: _SyncState) -> None:
+        """The sync's ``end`` came: finish what is still in flight."""
+
+    def _settle(self, st: _SyncState) -> None:
+        """The sender aborted the sync (its group is fine): leave nothing in flight."""
+
+    def _on_error(self) -> None:
+        """The receiver thread stopped on an error."""
+
+    def _on_exit(self) -> None:
+        """The receiver thread ends (after :meth:`_on_error` if it failed)."""
+        self.bufs = []
+
+    # ------------------------------------------------------------------ one sync
+    def _stopped(self, st: _SyncState, e: BaseException) -> _Broken:
+        """The group or the channel failed mid-sync: report (fatal) if not yet done; returns
+        the error that ends the receiver's thread."""
+        if not st.reported:
+            st.error = st.error or f"{e}"
+            st.fatal = True  # this receiver stops: the sender must rebuild the group
+            try:
+                self._report(st)
+            except Exception:  # noqa: BLE001
+                pass
+        return _Broken(f"{e}")
+
+    def _consume(self, buf: torch.Tensor, msg: dict[str, Any], st: _SyncState) -> None:
+        """Check bucket ``msg`` (now in ``buf``) against its checksum and load it; any problem
+        is recorded in ``st.error`` and nothing more is loaded in this sync."""
         if st.error is not None:
-            return  # keep receiving (the collective needs every rank) but load nothing more
-        buf = self.bufs[slot]
+            return  # keep receiving (the sender needs every receiver) but load nothing more
         used = int(msg["nbytes"])
         k = int(msg["k"])
         if st.verify:
@@ -277,6 +274,64 @@ class WeightReceiver:
         )
 
 
+class WeightReceiver(BucketReceiver):
+    """The ``nccl`` receiver: joins the group as rank ``params["rank"]`` and receives every
+    bucket by broadcast into one of two buffers of its own."""
+
+    def __init__(self, params: dict[str, Any], *, sink: Callable[[list[tuple[str, torch.Tensor]]], Any], loop: asyncio.AbstractEventLoop | None = None, name: str = "receiver") -> None:
+        self.backend = str(params["backend"])
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.pg: Any = None
+        super().__init__(params, sink=sink, loop=loop, name=name)
+
+    def _on_error(self) -> None:
+        if self.cuda:
+            G.abort(self.pg)
+
+    def _on_exit(self) -> None:
+        super()._on_exit()
+        if self.error is None:
+            G.shutdown(self.pg)
+
+    def _join(self) -> None:
+        self.channel.send({"op": "hello", "generation": self.generation, "rank": self.rank, "name": self.name})
+        self.pg = G.new_group(dist.PrefixStore("pg/", self.store), self.rank, self.world_size, self.backend, self.connect_timeout_s)
+        self.channel.handshake(self.generation, self.rank, time.monotonic() + self.connect_timeout_s)
+        probe = torch.zeros(64, dtype=torch.uint8, device=self.device)
+        G.wait(G.broadcast(self.pg, probe), self.connect_timeout_s, cuda=self.cuda)
+        G.wait_stream(self.device, self.connect_timeout_s, "the group's first broadcast")
+        self.bufs = [torch.empty(self.bucket_bytes + TRAILER_BYTES, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self.ready.set()
+
+    def _bucket(self, msg: dict[str, Any], st: _SyncState) -> None:
+        slot = st.buckets % 2
+        n = int(msg["nbytes"]) + (TRAILER_BYTES if st.verify else 0)
+        # start receiving bucket k into the free buffer, then load bucket k-1
+        work = G.broadcast(self.pg, self.bufs[slot][:n]) if n else None
+        st.buckets += 1
+        st.bytes += int(msg["nbytes"])
+        if st.pending is not None:
+            self._finish(st.pending, st)
+        st.pending = (msg, work, slot)
+
+    def _drain(self, st: _SyncState) -> None:
+        if st.pending is not None:
+            self._finish(st.pending, st)
+            st.pending = None
+        G.wait_stream(self.device, self.timeout_s, "loading the last bucket")
+
+    def _settle(self, st: _SyncState) -> None:
+        if st.pending is not None:
+            G.wait(st.pending[1], self.timeout_s, cuda=self.cuda)
+
+    def _finish(self, pending: tuple[dict[str, Any], Any, int], st: _SyncState) -> None:
+        msg, work, slot = pending
+        t = time.perf_counter()
+        G.wait(work, self.timeout_s, cuda=self.cuda)
+        st.wait_s += time.perf_counter() - t
+        self._consume(self.bufs[slot], msg, st)
+
+
 class _SyncState:
     def __init__(self, sync: int, version: int, verify: bool) -> None:
         self.sync = sync
@@ -291,3 +346,5 @@ class _SyncState:
         self.error: str | None = None
         self.fatal = False
         self.reported = False
+        self.pending: Any = None
+        """nccl: the bucket received last, not yet loaded (message, work, buffer)."""

@@ -74,27 +74,29 @@ def _flatten(buckets: Iterable[Any]) -> Iterator[Any]:
 
 
 class _Session:
-    """One group: the TCPStore (master), the metadata channel, the process group, two send
-    buffers. Built once, reused by every sync until it breaks or is closed."""
+    """One transport session: the TCPStore (master, for heartbeats and the ``store`` channel),
+    the metadata channel, two send buffers. Built once, reused by every sync until it breaks or
+    is closed. Subclasses add the data plane (:meth:`join`, :meth:`ship`, :meth:`wait_slot`,
+    :meth:`drain`)."""
 
-    def __init__(self, cfg: NcclSyncConfig, names: list[str], backend: str, device: torch.device) -> None:
+    what = "hand-off"
+    """How the data of one bucket travels, for error messages."""
+
+    def __init__(self, cfg: Any, names: list[str], device: torch.device, host: str) -> None:
         self.cfg = cfg
         self.names = names
-        self.backend = backend
         self.device = device
         self.cuda = device.type == "cuda"
         self.ranks = list(range(1, len(names) + 1))
         self.world_size = len(names) + 1
         self.generation = uuid.uuid4().hex[:12]
-        self.host = cfg.host or default_host()
+        self.host = host
         self.capacity = max(int(cfg.bucket_megabytes * 2**20) // 64 * 64, 64)
         self.store = dist.TCPStore(
             self.host, 0, None, True, G._td(cfg.connect_timeout_s), wait_for_workers=False
         )
         self.channel: Any = ZmqSender(self.host) if cfg.metadata == "zmq" else StoreSender(dist.PrefixStore("ch/", self.store))
-        self.pg: Any = None
         self.bufs: list[torch.Tensor] = []
-        self.side: Any = None
         self.syncs = 0
         self.broken: str | None = None
 
@@ -105,19 +107,14 @@ class _Session:
             "store_port": self.store.port,
             "rank": index + 1,
             "world_size": self.world_size,
-            "backend": self.backend,
             "bucket_bytes": self.capacity,
             "timeout_s": self.cfg.timeout_s,
             "connect_timeout_s": self.cfg.connect_timeout_s,
             **self.channel.params(),
         }
 
-    def join(self) -> float:
-        """Rank 0's part of building the group (on the sender thread). Returns seconds taken."""
-        t0 = time.perf_counter()
-        if self.cuda:
-            torch.cuda.set_device(self.device)
-        deadline = time.monotonic() + self.cfg.connect_timeout_s
+    def hellos(self, deadline: float) -> None:
+        """Wait for every receiver's hello; raise naming each one that failed or never came."""
         hellos = self.channel.hellos(self.generation, self.ranks, deadline)
         problems = [f"{self.names[r - 1]}: {h['error']}" for r, h in sorted(hellos.items()) if h.get("error")]
         problems += [
@@ -127,18 +124,37 @@ class _Session:
         ]
         if problems:
             raise TransferError("building the weight-sync group failed: " + "; ".join(problems))
-        self.pg = G.new_group(dist.PrefixStore("pg/", self.store), 0, self.world_size, self.backend, self.cfg.connect_timeout_s)
+
+    def handshake(self, deadline: float) -> None:
         missing = self.channel.handshake(self.generation, self.ranks, deadline)
         if missing:
             names = ", ".join(self.names[r - 1] for r in missing)
             raise TransferError(f"building the weight-sync group failed: no answer on the metadata channel from {names}")
-        # the first collective creates NCCL's communicator: do it now, not inside the first sync
-        probe = torch.zeros(64, dtype=torch.uint8, device=self.device)
-        G.wait(G.broadcast(self.pg, probe), self.cfg.connect_timeout_s, cuda=self.cuda)
-        G.wait_stream(self.device, self.cfg.connect_timeout_s, "the group's first broadcast")
-        self.bufs = [torch.empty(self.capacity + TRAILER_BYTES, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        self.side = torch.cuda.Stream(self.device) if self.cuda else None
-        return time.perf_counter() - t0
+
+    def join(self) -> float:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def begin(self) -> None:
+        """Called on the sender thread at the start of every sync."""
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+
+    def wait_slot(self, slot: int) -> None:  # pragma: no cover - abstract
+        """Block until buffer ``slot`` may be refilled (raise :class:`GroupError` at the deadline)."""
+        raise NotImplementedError
+
+    def ship(self, sync: int, k: int, slot: int, buf: torch.Tensor, used: int, n: int, entries: list) -> None:  # pragma: no cover - abstract
+        """Publish bucket ``k`` (``used`` data bytes, ``n`` with the trailer, in buffer ``slot``)
+        and start sending it."""
+        raise NotImplementedError
+
+    def drain(self, acquired: int) -> None:
+        """Wait until both buffers are free again (the older one first)."""
+        for k in range(acquired, acquired + 2):
+            self.wait_slot(k % 2)
+
+    def abort_link(self) -> None:
+        """Called when a bucket's hand-off failed (before the receivers are told)."""
 
     def heartbeats(self) -> dict[int, int]:
         out = {}
@@ -154,35 +170,108 @@ class _Session:
             self.channel.close()
         except Exception:  # noqa: BLE001
             log.debug("closing the metadata channel failed", exc_info=True)
+        self.bufs = []
+        self.store = None
+
+
+class _NcclSession(_Session):
+    """The ``nccl`` data plane: a process group (rank 0 here), buckets broadcast from it."""
+
+    what = "broadcast"
+
+    def __init__(self, cfg: Any, names: list[str], backend: str, device: torch.device) -> None:
+        super().__init__(cfg, names, device, cfg.host or default_host())
+        self.backend = backend
+        self.pg: Any = None
+        self.side: Any = None
+        self.works: list[Any] = [None, None]
+        self.done: list[Any] = [None, None]  # CUDA: events completing with works[slot]
+
+    def receiver_params(self, index: int) -> dict[str, Any]:
+        return {**super().receiver_params(index), "backend": self.backend}
+
+    def join(self) -> float:
+        """Rank 0's part of building the group (on the sender thread). Returns seconds taken."""
+        t0 = time.perf_counter()
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        deadline = time.monotonic() + self.cfg.connect_timeout_s
+        self.hellos(deadline)
+        self.pg = G.new_group(dist.PrefixStore("pg/", self.store), 0, self.world_size, self.backend, self.cfg.connect_timeout_s)
+        self.handshake(deadline)
+        # the first collective creates NCCL's communicator: do it now, not inside the first sync
+        probe = torch.zeros(64, dtype=torch.uint8, device=self.device)
+        G.wait(G.broadcast(self.pg, probe), self.cfg.connect_timeout_s, cuda=self.cuda)
+        G.wait_stream(self.device, self.cfg.connect_timeout_s, "the group's first broadcast")
+        self.bufs = [torch.empty(self.capacity + TRAILER_BYTES, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self.side = torch.cuda.Stream(self.device) if self.cuda else None
+        return time.perf_counter() - t0
+
+    def begin(self) -> None:
+        super().begin()
+        self.works = [None, None]
+        self.done = [None, None]
+
+    def wait_slot(self, slot: int) -> None:
+        # the broadcast that last read this buffer must be over before it is refilled; on
+        # the GPU the CPU polls an event (a deadline, and no stream waits on the broadcast,
+        # so the next bucket is packed while this one is sent)
+        if self.cuda:
+            G.wait_event(self.done[slot], self.cfg.timeout_s, "a bucket's broadcast")
+        else:
+            G.wait(self.works[slot], self.cfg.timeout_s, cuda=False)
+        self.works[slot] = self.done[slot] = None
+
+    def ship(self, sync: int, k: int, slot: int, buf: torch.Tensor, used: int, n: int, entries: list) -> None:
+        self.channel.publish({"op": "bucket", "sync": sync, "k": k, "nbytes": used, "entries": entries})
+        if n:
+            self.works[slot] = G.broadcast(self.pg, buf[:n])
+            if self.cuda:
+                self.done[slot] = G.completion_event(self.works[slot], self.side)
+
+    def drain(self, acquired: int) -> None:
+        super().drain(acquired)
+        G.wait_stream(self.device, self.cfg.timeout_s, "the weight broadcast")
+
+    def abort_link(self) -> None:
+        if self.cuda:
+            G.abort(self.pg)
+
+    def close(self) -> None:
+        super().close()
         if self.broken:
             G.abort(self.pg)
         else:
             G.shutdown(self.pg)
         self.pg = None
-        self.bufs = []
-        self.store = None
 
 
-class NcclSync:
-    """The ``nccl`` weight transport. ``engines`` given to :meth:`transfer` must have
-    ``attach_weight_receiver(sync_type, params)`` (core's ``EngineHandle`` does)."""
+class BucketSync:
+    """What the ``nccl`` and ``cuda_ipc`` transports share: the session's lifecycle (built on the
+    first ``transfer``, reused, rebuilt when it broke or the engines changed), the sync loop
+    (pack into two alternating buffers, publish, hand off, wait for the reports) and the
+    all-or-nothing verdict. Subclasses give ``sync_type`` and :meth:`_new_session`.
+    ``engines`` given to :meth:`transfer` must have ``attach_weight_receiver(sync_type, params)``
+    (core's ``EngineHandle`` does)."""
 
-    def __init__(self, config: NcclSyncConfig | Any = None) -> None:
-        if config is None:
-            from ferryman_sync_nccl.config import NcclSyncConfig
+    sync_type = ""
 
-            config = NcclSyncConfig()
+    def __init__(self, config: Any) -> None:
         self.config = config
-        """An :class:`NcclSyncConfig` (or any object with its fields: benchmarks run where
-        pydantic is not installed)."""
+        """The transport's config (a pydantic model, or any object with its fields: benchmarks
+        run where pydantic is not installed)."""
         self.wire_dtype = dtype_of(self.config.wire_dtype) if self.config.wire_dtype else None
         self._session: _Session | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferryman-sync-nccl")
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ferryman-sync-{self.sync_type}")
         self._closed = False
 
     @classmethod
-    def from_config(cls, config: NcclSyncConfig, **_: Any) -> NcclSync:
+    def from_config(cls, config: Any, **_: Any) -> BucketSync:
         return cls(config)
+
+    def _new_session(self, names: list[str]) -> _Session:  # pragma: no cover - abstract
+        """Build a session (on the sender thread) for engines ``names``."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ group
     @property
@@ -198,16 +287,14 @@ class NcclSync:
         for e, name in zip(engines, names):
             if not callable(getattr(e, "attach_weight_receiver", None)):
                 raise TransferError(f"{name}: this engine handle cannot host a weight receiver (no attach_weight_receiver)")
-        backend = resolve_backend(self.config.backend)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        session = await loop.run_in_executor(self._executor, _Session, self.config, names, backend, device)
+        session = await loop.run_in_executor(self._executor, self._new_session, names)
         t0 = time.perf_counter()
         try:
             results = await asyncio.gather(
-                *(e.attach_weight_receiver(SYNC_TYPE, session.receiver_params(i)) for i, e in enumerate(engines)),
+                *(e.attach_weight_receiver(self.sync_type, session.receiver_params(i)) for i, e in enumerate(engines)),
                 return_exceptions=True,
             )
-            failed = [f"{n}: {r!r}" for n, r in zip(names, results) if isinstance(r, BaseException)]
+            failed = [f"{n}: {_describe(r)}" for n, r in zip(names, results) if isinstance(r, BaseException)]
             if failed:
                 raise TransferError("starting the weight receivers failed: " + "; ".join(failed))
             await loop.run_in_executor(self._executor, session.join)
@@ -228,7 +315,7 @@ class NcclSync:
     # ------------------------------------------------------------------ transfer
     async def transfer(self, buckets: Iterator[Any], engines: Sequence[Any], version: int) -> dict[str, float]:
         if self._closed:
-            raise TransferError("the nccl weight sync was closed")
+            raise TransferError(f"the {self.sync_type} weight sync was closed")
         engines = list(engines)
         if not engines:
             raise TransferError("no engines to send weights to")
@@ -246,33 +333,20 @@ class NcclSync:
 
     def _send(self, buckets: Iterator[Any], version: int) -> dict[str, float]:
         s = self._session
-        assert s is not None and s.pg is not None
+        assert s is not None and s.bufs
         cfg = self.config
-        if s.cuda:
-            torch.cuda.set_device(s.device)
+        s.begin()
         s.syncs += 1
         sync = s.syncs
         verify = cfg.verify
         packer = Packer(s.capacity, self.wire_dtype)
-        works: list[Any] = [None, None]
-        done: list[Any] = [None, None]  # CUDA: events completing with works[slot]
         acquired = 0
-
-        def wait_slot(slot: int) -> None:
-            # the broadcast that last read this buffer must be over before it is refilled; on
-            # the GPU the CPU polls an event (a deadline, and no stream waits on the broadcast,
-            # so the next bucket is packed while this one is sent)
-            if s.cuda:
-                G.wait_event(done[slot], cfg.timeout_s, "a bucket's broadcast")
-            else:
-                G.wait(works[slot], cfg.timeout_s, cuda=False)
-            works[slot] = done[slot] = None
 
         def acquire() -> torch.Tensor:
             nonlocal acquired
             slot = acquired % 2
             acquired += 1
-            wait_slot(slot)
+            s.wait_slot(slot)
             return s.bufs[slot]
 
         t0 = time.perf_counter()
@@ -287,23 +361,14 @@ class NcclSync:
                     if verify:
                         buf[used : used + TRAILER_BYTES].view(torch.int64).copy_(lane_sums(buf[:used]))
                         n += TRAILER_BYTES
-                    s.channel.publish(
-                        {"op": "bucket", "sync": sync, "k": n_buckets, "nbytes": used, "entries": [e.to_json() for e in entries]}
-                    )
-                    if n:
-                        slot = (acquired - 1) % 2
-                        works[slot] = G.broadcast(s.pg, buf[:n])
-                        if s.cuda:
-                            done[slot] = G.completion_event(works[slot], s.side)
+                    s.ship(sync, n_buckets, (acquired - 1) % 2, buf, used, n, [e.to_json() for e in entries])
                     n_buckets += 1
                     n_bytes += used
             except G.GroupError:
                 raise
             except Exception as e:  # noqa: BLE001 - the trainer's weights iterator, or a bad tensor
                 input_error = e
-            for k in range(acquired, acquired + 2):  # the older one first
-                wait_slot(k % 2)
-            G.wait_stream(s.device, cfg.timeout_s, "the weight broadcast")
+            s.drain(acquired)
         except G.GroupError as e:
             return self._fail_group(s, sync, version, n_buckets, e)
         send_s = time.perf_counter() - t0
@@ -368,11 +433,10 @@ class NcclSync:
 
     def _fail_group(self, s: _Session, sync: int, version: int, bucket: int, err: G.GroupError) -> dict[str, float]:
         s.broken = f"{err}"
-        if s.cuda:
-            G.abort(s.pg)
+        s.abort_link()
         beats = s.heartbeats()
         try:
-            s.channel.publish({"op": "abort", "sync": sync, "reason": f"the broadcast failed: {err}", "group_failed": True})
+            s.channel.publish({"op": "abort", "sync": sync, "reason": f"the {s.what} failed: {err}", "group_failed": True})
             reports = self._reports(s, sync, ABORT_GRACE_S)
         except Exception:  # noqa: BLE001
             reports = {}
@@ -382,11 +446,11 @@ class NcclSync:
             if rank in reports:
                 outcome.append(f"{name}: alive")
             elif alive.get(rank):
-                outcome.append(f"{name}: alive (held in the failed broadcast)")
+                outcome.append(f"{name}: alive (held in the failed {s.what})")
             else:
                 outcome.append(f"{name}: DEAD (no heartbeat for {ABORT_GRACE_S:g}s)")
         raise TransferError(
-            f"weight sync to version {version} failed: the broadcast of bucket {bucket} failed ({err}); "
+            f"weight sync to version {version} failed: the {s.what} of bucket {bucket} failed ({err}); "
             + "; ".join(outcome)
             + ". No replica's version changed; the group is rebuilt at the next sync."
         ) from err
@@ -399,5 +463,29 @@ class NcclSync:
         try:
             self._executor.submit(self._drop_session).result(timeout=30)
         except Exception:  # noqa: BLE001
-            log.debug("closing the nccl weight sync failed", exc_info=True)
+            log.debug("closing the %s weight sync failed", self.sync_type, exc_info=True)
         self._executor.shutdown(wait=False)
+
+
+def _describe(err: BaseException) -> str:
+    """An attach failure for the error message: a receiver's own clear ValueError is shown as
+    its text, anything else with its type."""
+    return str(err) if isinstance(err, ValueError) and str(err) else repr(err)
+
+
+class NcclSync(BucketSync):
+    """The ``nccl`` weight transport: buckets broadcast over a private torch.distributed group."""
+
+    sync_type = SYNC_TYPE
+
+    def __init__(self, config: NcclSyncConfig | Any = None) -> None:
+        if config is None:
+            from ferryman_sync_nccl.config import NcclSyncConfig
+
+            config = NcclSyncConfig()
+        super().__init__(config)
+
+    def _new_session(self, names: list[str]) -> _NcclSession:
+        backend = resolve_backend(self.config.backend)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        return _NcclSession(self.config, names, backend, device)

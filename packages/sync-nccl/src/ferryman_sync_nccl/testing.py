@@ -7,7 +7,7 @@
 - :class:`ProcessEngine` runs an engine in its own process and drives it over a pipe, the way
   core's ``EngineHandle`` drives an engine actor: every Engine method, plus
   ``attach_weight_receiver`` (through core's plugin host, as in an ``EngineActor``; or, with
-  ``plugin_host=False``, by building the ``nccl`` receiver directly), ``call`` (run a function
+  ``plugin_host=False``, by building this package's receiver directly), ``call`` (run a function
   in the child against the engine) and ``kill`` (SIGKILL, for failure tests).
 - :func:`qwen2_shapes` gives the parameter shapes of a Qwen2-style model (Qwen2.5-7B by default).
 - :func:`raw_broadcast_rounds` times bare broadcasts between two processes (the benchmark's floor).
@@ -80,20 +80,51 @@ CONFIG_DEFAULTS: dict[str, Any] = {
 """NcclSyncConfig's defaults, for :func:`transport_config` where pydantic is missing (a test
 checks that the two agree)."""
 
+IPC_CONFIG_DEFAULTS: dict[str, Any] = {
+    "type": "cuda_ipc",
+    "device": "auto",
+    "bucket_megabytes": 512.0,
+    "wire_dtype": None,
+    "verify": True,
+    "metadata": "zmq",
+    "timeout_s": 60.0,
+    "connect_timeout_s": 120.0,
+}
+"""IpcSyncConfig's defaults, for :func:`ipc_config` where pydantic is missing."""
+
+
+def _config(cls_name: str, defaults: dict[str, Any], fields: dict[str, Any]) -> Any:
+    try:
+        from ferryman_sync_nccl import config
+    except ImportError:
+        from types import SimpleNamespace
+
+        unknown = set(fields) - set(defaults)
+        if unknown:
+            raise TypeError(f"unknown transport config fields: {sorted(unknown)}") from None
+        return SimpleNamespace(**{**defaults, **fields})
+    return getattr(config, cls_name)(**fields)
+
 
 def transport_config(**fields: Any) -> Any:
     """An ``NcclSyncConfig``, or, where core/pydantic cannot be imported (a GPU box with torch
     alone), a namespace with the same fields and defaults."""
-    try:
-        from ferryman_sync_nccl.config import NcclSyncConfig
-    except ImportError:
-        from types import SimpleNamespace
+    return _config("NcclSyncConfig", CONFIG_DEFAULTS, fields)
 
-        unknown = set(fields) - set(CONFIG_DEFAULTS)
-        if unknown:
-            raise TypeError(f"unknown transport config fields: {sorted(unknown)}") from None
-        return SimpleNamespace(**{**CONFIG_DEFAULTS, **fields})
-    return NcclSyncConfig(**fields)
+
+def ipc_config(**fields: Any) -> Any:
+    """An ``IpcSyncConfig``, or a namespace with its fields and defaults (see
+    :func:`transport_config`)."""
+    return _config("IpcSyncConfig", IPC_CONFIG_DEFAULTS, fields)
+
+
+def have(module: str) -> bool:
+    """Whether ``module`` can be imported here (a GPU box may have torch alone)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
@@ -180,21 +211,24 @@ def _resolve(path: str) -> Any:
 # --------------------------------------------------------------------------- child process
 
 
+RECEIVERS = {"nccl": "ferryman_sync_nccl.receiver:WeightReceiver", "cuda_ipc": "ferryman_sync_nccl.ipc:IpcReceiver"}
+"""This package's receivers, for :class:`_DirectReceivers`."""
+
+
 class _DirectReceivers:
-    """Receivers built without core's plugin host (only the ``nccl`` one)."""
+    """Receivers built without core's plugin host (this package's own: ``nccl``, ``cuda_ipc``)."""
 
     def __init__(self) -> None:
         self.by_type: dict[str, Any] = {}
 
     async def attach(self, host: Any, sync_type: str, params: dict[str, Any], engine: Any, replica: str) -> None:
-        from ferryman_sync_nccl.receiver import WeightReceiver
-
-        if sync_type != "nccl":
-            raise ValueError(f"without the plugin host only the 'nccl' receiver can be built, not {sync_type!r}")
+        if sync_type not in RECEIVERS:
+            raise ValueError(f"without the plugin host only {', '.join(RECEIVERS)} receivers can be built, not {sync_type!r}")
         old = self.by_type.pop(sync_type, None)
         if old is not None:
             old.close()
-        self.by_type[sync_type] = WeightReceiver(params, sink=engine.load_weights, loop=asyncio.get_running_loop(), name=replica).start()
+        cls = _resolve(RECEIVERS[sync_type])
+        self.by_type[sync_type] = cls(params, sink=engine.load_weights, loop=asyncio.get_running_loop(), name=replica).start()
 
     async def close(self) -> None:
         while self.by_type:
@@ -264,7 +298,7 @@ class EngineProcessError(RuntimeError):
     """A call into an engine process failed, or the process died."""
 
 
-PRELOAD = ["torch", "torch.distributed", "ferryman.plugins", "ferryman.engine_host", "ferryman_sync_nccl.testing", "ferryman_sync_nccl.receiver"]
+PRELOAD = ["torch", "torch.distributed", "ferryman.plugins", "ferryman.engine_host", "ferryman_sync_nccl.testing", "ferryman_sync_nccl.receiver", "ferryman_sync_nccl.ipc"]
 """Modules the fork server imports once, so that each engine process starts in a fraction of
 a second instead of importing torch again."""
 
@@ -412,6 +446,55 @@ def _set_result(fut: asyncio.Future, value: Any) -> None:
 def _set_error(fut: asyncio.Future, err: BaseException) -> None:
     if not fut.done():
         fut.set_exception(err)
+
+
+async def start_engines(n: int, shapes: dict[str, tuple[int, ...]], **engine_kw: Any) -> list[ProcessEngine]:
+    """``n`` :class:`TensorDictEngine` replicas (``replica-0``...), each in its own process."""
+    engines = [ProcessEngine(f"replica-{i}", "ferryman_sync_nccl.testing:TensorDictEngine", {"shapes": shapes, **engine_kw}) for i in range(n)]
+    await asyncio.gather(*(e.start() for e in engines))
+    return engines
+
+
+async def stop_engines(engines: list[ProcessEngine]) -> None:
+    await asyncio.gather(*(e.shutdown() for e in engines), return_exceptions=True)
+
+
+class FixedWeightsBackend:
+    """Trainer-backend double for core's Synchronizer: streams a dict of full float32 tensors
+    (``new_weights(seed)`` draws them) in buckets, as ``iter_weight_buckets`` does."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        self.shapes = shapes
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def new_weights(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.weights = {n: torch.randn(s, generator=g) for n, s in self.shapes.items()}
+
+    def iter_weight_buckets(self, bucket_bytes: int) -> Any:
+        bucket, size = [], 0
+        for name, t in self.weights.items():
+            if bucket and size + t.numel() * 4 > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t))
+            size += t.numel() * 4
+        if bucket:
+            yield bucket
+
+
+class RollouterDouble:
+    """Rollouter double: the two calls core's Synchronizer makes (records the resets)."""
+
+    def __init__(self) -> None:
+        self.reset_to: list[int] = []
+
+    async def pause_for_sync(self, wait_for_active: bool) -> float:
+        return 0.0
+
+    async def reset_staleness(self, version: int) -> int:
+        self.reset_to.append(version)
+        return 0
 
 
 # functions run in an engine process through ProcessEngine.call
