@@ -251,6 +251,8 @@ class NamespaceEnvironment(BaseEnvironment):
         self._homes: dict[str, str] = {"root": "/root", "0": "/root"}
         self._exec_groups: set[int] = set()
         self._cgroup: Cgroup | None = None
+        self._net_env: dict[str, str] = {}
+        """The egress proxy's variables (every exec and RUN sees them)."""
         self._limits: Limits | None = None
         self._violation: SandboxLimitExceeded | None = None
         self._forwarder: SessionForwarder | None = None
@@ -363,8 +365,8 @@ class NamespaceEnvironment(BaseEnvironment):
             await self._egress.start()
             url = f"http://127.0.0.1:{self.options.egress_port}"
             for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
-                self._image_env[k] = url
-            self._image_env["NO_PROXY"] = self._image_env["no_proxy"] = "127.0.0.1,localhost,::1"
+                self._net_env[k] = url
+            self._net_env["NO_PROXY"] = self._net_env["no_proxy"] = "127.0.0.1,localhost,::1"
 
     def network_counters(self) -> dict[str, int]:
         """What the forwarder and the egress proxy let through or refused so far."""
@@ -596,7 +598,7 @@ class NamespaceEnvironment(BaseEnvironment):
     ) -> ExecResult:
         resolved = self._resolve_user(user)
         spec = self._user_spec(resolved) if resolved is not None else self._image_user
-        variables = {"PATH": BASE_PATH, "HOME": await self._home(spec), **self._image_env}
+        variables = {"PATH": BASE_PATH, "HOME": await self._home(spec), **self._net_env, **self._image_env}
         variables.update(self._merge_env(env) or {})
         workdir = cwd or self.task_env_config.workdir or self._image_workdir
         inner = ["/usr/bin/env", "-i", "-C", workdir, *(f"{k}={v}" for k, v in variables.items()), "/bin/bash", "-c", command]
@@ -795,7 +797,7 @@ class NamespaceEnvironment(BaseEnvironment):
                 await self._copy_in(ins, scope, context, workdir, fail)
             elif kw == "RUN":
                 argv = list(ins.args) if ins.exec_form else [*shell, ins.args[0]]
-                run_env = {**{k: v for k, v in args.items()}, **env}
+                run_env = {**self._net_env, **args, **env}
                 home = await self._home(user)
                 inner = ["/usr/bin/env", "-i", "-C", workdir, f"HOME={home}", *(f"{k}={v}" for k, v in run_env.items()), *argv]
                 res = await self._spawn(inner, user=user)
