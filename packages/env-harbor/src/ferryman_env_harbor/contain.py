@@ -516,7 +516,13 @@ class EgressProxy:
                 await writer.drain()
             else:
                 up_w.write(rest)
-            await asyncio.gather(_pipe(reader, up_w), _pipe(up_r, writer))
+            pipes = [asyncio.ensure_future(_pipe(reader, up_w)), asyncio.ensure_future(_pipe(up_r, writer))]
+            try:  # either side closing ends the tunnel
+                await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for p in pipes:
+                    p.cancel()
+                await asyncio.gather(*pipes, return_exceptions=True)
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             self.counters["errors"] += 1
         finally:
