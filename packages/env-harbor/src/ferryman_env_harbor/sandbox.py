@@ -185,6 +185,15 @@ class NamespaceSandboxOptions(EnvironmentOptions):
     start_timeout_sec: float = Field(30.0, gt=0, description="how long the holder may take to set up the namespace")
 
 
+def cgroup_tag(sandbox_dir: str | Path) -> str:
+    """The start of the cgroup names of the sandboxes made in ``sandbox_dir``
+    (``ferryman-sbx-<hash of the directory>``): their processes can be found by cgroup, as their
+    root and working directory are out of the host's sight."""
+    import hashlib
+
+    return SANDBOX_PREFIX + hashlib.sha256(str(Path(sandbox_dir).resolve()).encode()).hexdigest()[:10]
+
+
 _LIVE: dict[str, NamespaceEnvironment] = {}
 """Started and not yet stopped sandboxes, by directory."""
 
@@ -341,7 +350,7 @@ class NamespaceEnvironment(BaseEnvironment):
         self._limits = self.resolved_limits()
         if self.options.enforce_limits:
             try:
-                self._cgroup = Cgroup(self._dir.name, self._limits)
+                self._cgroup = Cgroup(f"{cgroup_tag(base)}-{self._dir.name.removeprefix(SANDBOX_PREFIX)}", self._limits)
             except CgroupError as e:
                 raise SandboxBuildFailedError(f"namespace sandbox: {e} (or set enforce_limits: false)") from None
         await self._start_holder(dirs)
@@ -886,4 +895,4 @@ def _read_tail(path: Path) -> str:
         return f.read().decode(errors="replace")
 
 
-__all__ = ["NamespaceEnvironment", "NamespaceSandboxOptions", "UnsupportedDockerfileError", "live_sandboxes"]
+__all__ = ["NamespaceEnvironment", "NamespaceSandboxOptions", "UnsupportedDockerfileError", "cgroup_tag", "live_sandboxes"]
