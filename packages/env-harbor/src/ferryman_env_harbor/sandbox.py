@@ -74,6 +74,8 @@ BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 OUTPUT_LIMIT = 16 * 2**20
 """Bytes of stdout/stderr kept per exec (the tail beyond it is dropped)."""
 SANDBOX_PREFIX = "ferryman-sbx-"
+WATCH_INTERVAL_SEC = 0.1
+"""How often a running command's sandbox is checked for a limit breach."""
 
 _HOLDER_SCRIPT = r"""
 set -eu
@@ -612,6 +614,8 @@ class NamespaceEnvironment(BaseEnvironment):
         workdir = cwd or self.task_env_config.workdir or self._image_workdir
         inner = ["/usr/bin/env", "-i", "-C", workdir, *(f"{k}={v}" for k, v in variables.items()), "/bin/bash", "-c", command]
         self._raise_violation()
+        # while the command runs, a breach is noticed within WATCH_INTERVAL_SEC and ends it
+        watch = asyncio.ensure_future(self._watch_limits()) if self._cgroup is not None else None
         try:
             result = await self._spawn(inner, user=spec, timeout_sec=timeout_sec)
         except asyncio.CancelledError:
@@ -619,6 +623,9 @@ class NamespaceEnvironment(BaseEnvironment):
         except Exception:
             self._check_limits()  # a limit hit during a command that timed out is the reason
             raise
+        finally:
+            if watch is not None:
+                watch.cancel()
         self._check_limits()
         return result
 
@@ -627,10 +634,19 @@ class NamespaceEnvironment(BaseEnvironment):
         if self._violation is not None:
             raise type(self._violation)(str(self._violation))
 
+    async def _watch_limits(self) -> None:
+        while self._violation is None:
+            await asyncio.sleep(WATCH_INTERVAL_SEC)
+            self._detect_breach()
+
     def _check_limits(self) -> None:
         """Record the first limit the sandbox hit, kill what is left running in it (a fork bomb
         stops burning its CPU share at once) and raise it; later execs raise it again, so an
         agent that catches it cannot carry on and the trial fails with the reason."""
+        self._detect_breach()
+        self._raise_violation()
+
+    def _detect_breach(self) -> None:
         if self._violation is None and self._cgroup is not None and self._limits is not None:
             ev = self._cgroup.events()
             lim = self._limits
@@ -646,7 +662,6 @@ class NamespaceEnvironment(BaseEnvironment):
             if self._violation is not None:
                 log.warning("sandbox %s: %s", self.session_id, self._violation)
                 self._kill_all_but_init()
-        self._raise_violation()
 
     def _storage_full(self) -> bool:
         if self._init_pid is None or not self.options.enforce_limits:
