@@ -139,7 +139,9 @@ async def main() -> None:
         f"`pids_limit: 64`, before each the check that its limit is in force. Machine: {platform.machine()}, "
         f"{os.cpu_count()} cores shared with other jobs, kernel {platform.release()}, cgroup v1 (memory, pids, cpu).",
         "",
-        "Command: `flock /tmp/ferryman-heavy.lock .venv/bin/python bench/sandbox_security.py`",
+        "Command: `flock /tmp/ferryman-heavy.lock .venv/bin/python bench/sandbox_security.py` (this run:",
+        "`nice -n 10 .venv/bin/python bench/sandbox_security.py`, the lock being queued behind full test suites;",
+        "the attacks are bounded by their own limits). Times are one run each on a loaded machine.",
         "",
         "| attack | what it does | outcome | reward | host unchanged | time to contain |",
         "|---|---|---|---|---|---|",
@@ -163,7 +165,7 @@ async def main() -> None:
         "",
         f"Without the verify-time barrier (`fresh_tests: false`) the tampering attack scores "
         f"**{(unguarded['reward'] or {}).get('reward')}**; with it (default) "
-        f"{next(r for r in rows if r['task'] == 'tamper-tests')['reward']}.",
+        f"**{(next(r for r in rows if r['task'] == 'tamper-tests')['reward'] or {}).get('reward')}**.",
         "",
         "Expected outcomes: " + ", ".join(f"{k} → `{v}`" for k, v in EXPECTED.items())
         + "; every other attack graded 0. 'host unchanged': no file the attacks write appeared on the host, "

@@ -3,16 +3,19 @@
 Use it in Harbor with ``EnvironmentConfig(import_path="ferryman_env_harbor.sandbox:NamespaceEnvironment")``
 (CLI: ``-e ferryman_env_harbor.sandbox:NamespaceEnvironment``).
 
-**What a sandbox is.** ``start()`` makes a private directory and starts one *holder* process
-with ``unshare --mount --pid --fork --kill-child`` (and ``--net`` when the task asks for no
-network). The holder builds a root directory out of the host's ``/usr``, ``/etc`` and ``/var``
-(each a copy-on-write overlay by default, so the task can install files without touching the
-host; or read-only bind mounts), a fresh ``/proc``, a small ``/dev`` with its own ``devpts`` (so
-tmux works), and private ``/tmp``, ``/root``, ``/logs``…; then it becomes the reaping init of
-the namespace. Every ``exec`` enters that namespace (``nsenter`` on file descriptors we hold,
-so a recycled pid can never be entered) and ``chroot``s into the root, so processes the agent
-leaves running (terminus-2's tmux server) survive between calls. ``stop()`` SIGKILLs the
-namespace's init through a pidfd, which kills every process in it, and removes the directory.
+**What a sandbox is.** ``start()`` makes a private directory, a cgroup with the trial's limits
+(:class:`~ferryman_env_harbor.contain.Cgroup`) and one *holder* process in it, ``unshare --mount
+--pid --net --uts --ipc --fork --kill-child`` (no ``--net`` with ``network: host``). The holder
+mounts a size-limited tmpfs for everything the sandbox may write, builds a root there out of the
+host's ``/usr``, ``/etc`` and ``/var`` (each a copy-on-write overlay by default, or read-only
+bind mounts), a fresh ``/proc`` (kernel knobs read-only), a small ``/dev`` with its own
+``devpts`` (so tmux works), and private ``/tmp``, ``/root``, ``/logs``…; ``pivot_root``s into
+it, detaches the host's tree and becomes the reaping init of the namespace. Every ``exec`` joins
+the cgroup, enters the namespaces (``nsenter`` on file descriptors we hold, so a recycled pid can
+never be entered) and drops capabilities (:data:`~ferryman_env_harbor.contain.CAPS_KEPT`), so
+processes the agent leaves running (terminus-2's tmux server) survive between calls. ``stop()``
+SIGKILLs the namespace's init through a pidfd, which kills every process in it, and removes the
+cgroup and the directory.
 
 **The task's Dockerfile** is carried out without its base image: see
 :mod:`ferryman_env_harbor.dockerfile`. ``WORKDIR``, ``COPY``/``ADD`` from ``environment/``,
@@ -21,9 +24,14 @@ honoured; anything that needs an image is refused when the environment is create
 message naming the instruction; a ``RUN`` that fails raises Harbor's
 ``SandboxBuildFailedError`` (Harbor's policy: not graded, no valid reward).
 
-**Not a security boundary.** Processes run as root on the host kernel with the host's devices
-for null/zero/random/tty. The sandbox keeps trials apart and the host clean; it does not contain
-a hostile agent. It needs root (or CAP_SYS_ADMIN) and util-linux's ``unshare``/``nsenter``.
+**Containment** (the package README says exactly what is and is not contained): only the run's
+proxy session is reachable from inside (a forwarder, by path prefix) plus, for tasks that allow
+internet, a host-side egress proxy that refuses loopback, private and the host's own addresses;
+memory, pids, CPU and storage are limited, a breach fails the trial
+(``MemoryLimitExceededError``, ``PidsLimitExceededError``, ``StorageLimitExceededError``); the
+host's files are out of reach; the verifier's ``/tests`` are fresh. Processes still run as root
+on the host kernel (no user namespace, no VM): a kernel exploit is not contained. It needs root
+(or CAP_SYS_ADMIN), util-linux and writable cgroups.
 
 Options (``EnvironmentConfig.kwargs``, CLI ``--ek``): see :class:`NamespaceSandboxOptions`.
 """
