@@ -42,7 +42,7 @@ from tests.hostile_helpers import (  # noqa: E402
 )
 
 WHAT = {
-    "fork-bomb": "`bomb() { bomb | bomb & }; bomb`",
+    "fork-bomb": "`bomb() { bomb \\| bomb & }; bomb`",
     "memory-hog": "allocate 1 GiB (task: memory_mb 64, storage_mb 16)",
     "disk-fill": "`dd` 512 MiB (task: storage_mb 16)",
     "ignore-sigterm": "leave processes ignoring TERM/HUP/INT",
@@ -101,6 +101,38 @@ async def stop_time(task: str, tmp: Path, sandbox_dir: Path) -> float:
     return time.monotonic() - t0
 
 
+async def costs(tmp: Path, sandbox_dir: Path) -> list[str]:
+    """Start, exec and stop of a contained sandbox and of one without containment
+    (``enforce_limits: false, network: host``), side by side in this run."""
+    import statistics
+
+    from tests.test_sandbox import make_env
+
+    out = {}
+    for label, kw in (("contained", {}), ("uncontained", {"enforce_limits": False, "network": "host"})):
+        starts, execs, stops = [], [], []
+        for i in range(8):
+            d = tmp / f"cost-{label}-{i}"
+            d.mkdir()
+            env = make_env(d, sandbox_dir, "FROM scratch\n", session=f"cost{i}__env", **kw)
+            t0 = time.perf_counter()
+            await env.start(force_build=False)
+            starts.append(time.perf_counter() - t0)
+            for _ in range(10):
+                t0 = time.perf_counter()
+                await env.exec("true")
+                execs.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            await env.stop(delete=True)
+            stops.append(time.perf_counter() - t0)
+        out[label] = [1e3 * statistics.median(x) for x in (starts, execs, stops)]
+    c, u = out["contained"], out["uncontained"]
+    return ["", "Costs (medians of 8 sandboxes × 10 execs, same run, ms):", "",
+            "| | start | exec `true` | stop |", "|---|---|---|---|",
+            f"| contained | {c[0]:.0f} | {c[1]:.1f} | {c[2]:.0f} |", f"| uncontained | {u[0]:.0f} | {u[1]:.1f} | {u[2]:.0f} |",
+            f"| ratio | {c[0] / u[0]:.2f} | {c[1] / u[1]:.2f} | {c[2] / u[2]:.2f} |"]
+
+
 async def main() -> None:
     from transformers import AutoTokenizer
 
@@ -126,6 +158,7 @@ async def main() -> None:
         sig_stop = await stop_time("ignore-sigterm", tmp, sandbox_dir)
         unguarded = await run_one("tamper-tests", tmp, sandbox_dir, server, fresh_tests=False)
         sentinel_alive = sentinel.poll() is None
+        cost_lines = await costs(tmp, sandbox_dir)
     finally:
         sentinel.kill()
         sentinel.wait()
@@ -171,6 +204,7 @@ async def main() -> None:
         + "; every other attack graded 0. 'host unchanged': no file the attacks write appeared on the host, "
         "/etc/passwd and the hostname are the same, and no process of the sandbox is left.",
     ]
+    lines += cost_lines
     out = ROOT / "bench" / "results" / "sandbox_security.md"
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
