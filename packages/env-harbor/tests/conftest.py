@@ -19,8 +19,12 @@ TEST_TASKS = HERE / "tasks"
 
 
 def processes_under(directory: Path) -> list[str]:
-    """Processes whose root, cwd or command line lies in ``directory`` (``pid: cmdline``)."""
+    """Processes whose root, cwd or command line lies in ``directory``, or that are in the cgroup
+    of a sandbox made there (``pid: cmdline``)."""
+    from ferryman_env_harbor.sandbox import cgroup_tag
+
     d = str(directory)
+    tag = "/" + cgroup_tag(directory) + "-"
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -33,9 +37,13 @@ def processes_under(directory: Path) -> list[str]:
                     links.append(os.readlink(f"/proc/{entry}/{name}"))
                 except OSError:
                     pass
+            try:
+                groups = open(f"/proc/{entry}/cgroup").read()
+            except OSError:
+                groups = ""
         except OSError:
             continue
-        if d in cmd or any(link.startswith(d) for link in links):
+        if d in cmd or any(link.startswith(d) for link in links) or tag in groups:
             found.append(f"{entry}: {cmd[:200]}")
     return found
 

@@ -207,7 +207,7 @@ async def test_upload_download_round_trip(tmp_path, sandbox_dir):
         await env.stop(delete=True)
 
 
-async def test_no_network_mode_gets_a_private_loopback(tmp_path, sandbox_dir):
+async def test_every_sandbox_gets_a_private_loopback_unless_network_host(tmp_path, sandbox_dir):
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
@@ -217,11 +217,17 @@ async def test_no_network_mode_gets_a_private_loopback(tmp_path, sandbox_dir):
         (tmp_path / "a").mkdir()
         (tmp_path / "b").mkdir()
         isolated = make_env(tmp_path / "a", sandbox_dir, "FROM scratch\n", network_mode=NetworkMode.NO_NETWORK)
-        shared = make_env(tmp_path / "b", sandbox_dir, "FROM scratch\n")
+        shared = make_env(tmp_path / "b", sandbox_dir, "FROM scratch\n", network="host")
         await isolated.start(force_build=False)
         await shared.start(force_build=False)
         try:
             assert (await isolated.exec(probe)).stdout == "unreachable\n"
+            public = make_env(tmp_path / "a", sandbox_dir, "FROM scratch\n", session="t__public")
+            await public.start(force_build=False)
+            try:  # a task that allows internet is just as cut off from the host's loopback
+                assert (await public.exec(probe)).stdout == "unreachable\n"
+            finally:
+                await public.stop(delete=True)
             assert (await shared.exec(probe)).stdout == "reached\n"
             # the private network still has a working loopback
             r = await isolated.exec("python3 -c \"import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "

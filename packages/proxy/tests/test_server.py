@@ -428,6 +428,52 @@ async def test_oversize_body_is_413(proxy, http):
     assert engine.calls == [] and snapshot(sess)[0] == []
 
 
+async def test_per_session_rate_limit_is_429_and_leaves_other_sessions_alone(proxy, http):
+    server, _, engine = await proxy(max_requests_per_minute=3)
+    a = server.open_session("ra", SamplingParams(max_tokens=2))
+    b = server.open_session("rb", SamplingParams(max_tokens=2))
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    codes = [(await post(http, a, body))[0] for _ in range(4)]
+    assert codes == [200, 200, 200, 429]
+    status, err = await post(http, a, body)
+    assert status == 429 and err["error"]["code"] == "rate_limit_exceeded" and err["error"]["type"] == "rate_limit_error"
+    assert (await post(http, b, body))[0] == 200, "another session's budget is its own"
+    result = await server.close_session(a)
+    assert result.metrics["proxy/rate_limited"] == 2
+    assert [c[0] for c in engine.calls].count("ra") == 3
+
+
+async def test_per_session_concurrency_limit(proxy, http):
+    server, script, engine = await proxy(max_concurrent_requests=2)
+    gate = asyncio.Event()
+    inner = engine.generate
+
+    async def slow(*args, **kwargs):  # hold the engine until the three requests are in
+        await gate.wait()
+        return await inner(*args, **kwargs)
+
+    engine.generate = slow
+    a = server.open_session("ra", SamplingParams(max_tokens=2))
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    tasks = [asyncio.create_task(post(http, a, body)) for _ in range(3)]
+    for _ in range(200):
+        if a.in_flight == 2 and server.counters["requests"] >= 3:
+            break
+        await asyncio.sleep(0.01)
+    gate.set()
+    codes = sorted(s for s, _ in await asyncio.gather(*tasks))
+    assert codes == [200, 200, 429]
+    assert a.in_flight == 0
+
+
+async def test_oversized_header_is_refused(proxy, http):
+    server, _, engine = await proxy(max_header_bytes=2048)
+    sess = server.open_session("r", SamplingParams())
+    r = await http.post(sess.base_url + "/chat/completions", json={"model": "ferryman-policy", "messages": []},
+                        headers={"X-Big": "y" * 4096})
+    assert r.status == 400 and engine.calls == []
+
+
 async def test_sessions_are_private_and_loopback_only(proxy, http):
     server, _, engine = await proxy()
     assert server.url.startswith("http://127.0.0.1:")

@@ -279,14 +279,24 @@ class HarborEnv:
         agent["env"] = {**env_vars, **dict(agent.get("env") or {})}
         if self._supports_base_url(agent):
             agent["base_url"] = sess.base_url
+        from ferryman_env_harbor.config import SANDBOX_IMPORT_PATH
+        from ferryman_env_harbor.contain import LIMIT_ERROR_POLICY
+
+        environment = dict(self.config.environment)
+        if environment.get("import_path") == SANDBOX_IMPORT_PATH:
+            # the namespace sandbox forwards this session (and only it) into its network namespace
+            environment["kwargs"] = {**dict(environment.get("kwargs") or {}), "proxy_url": sess.base_url}
+        trial = dict(self.config.trial)
+        # a sandbox limit breach (fork bomb, memory hog, disk fill): not graded, no valid reward
+        trial["override_error_policy"] = {**LIMIT_ERROR_POLICY, **dict(trial.get("override_error_policy") or {})}
         return TrialConfig(
             task=TaskConfig.model_validate(task["task"]),
             trial_name=trial_name,
             trials_dir=self.trials_dir,
             agent=AgentConfig.model_validate(agent),
-            environment=EnvironmentConfig.model_validate(self.config.environment),
+            environment=EnvironmentConfig.model_validate(environment),
             verifier=VerifierConfig.model_validate(self.config.verifier),
-            **self.config.trial,
+            **trial,
         )
 
     def _supports_base_url(self, agent: dict[str, Any]) -> bool:

@@ -41,6 +41,14 @@ class ProxyConfig(Strict):
     capped by the session's, and ``stop`` and ``seed`` are honoured."""
     max_body_bytes: int = Field(16 * 2**20, ge=1024)
     """Largest request body accepted (413 above)."""
+    max_header_bytes: int = Field(32 * 1024, ge=1024)
+    """Longest request line and longest header field accepted (400 above)."""
+    max_requests_per_minute: int | None = Field(None, ge=1)
+    """Requests one session may make in any minute (a token bucket refilled evenly); above it
+    429 ``rate_limit_exceeded`` (LiteLLM's RateLimitError). ``None``: no rate limit."""
+    max_concurrent_requests: int | None = Field(8, ge=1)
+    """Requests of one session in flight at once; more get 429 ``too_many_concurrent_requests``.
+    ``None``: unbounded."""
     max_turns: int | None = Field(None, ge=1)
     """Chat-completion calls a session may make; the next one is refused (400,
     ``session_ended``) and the session ends with reason ``max_turns``."""

@@ -153,7 +153,8 @@ class ProxyServer:
         app.router.add_get("/sess/{secret}/v1/models/{model:.+}", self._model)
         # the body is decompressed by the handler (_decompress): aiohttp's own decoding answers
         # a body that is not what its Content-Encoding says with a 500 or a plain-text 400
-        runner = web.AppRunner(app, access_log=None, auto_decompress=False)
+        limit = self.config.max_header_bytes
+        runner = web.AppRunner(app, access_log=None, auto_decompress=False, max_line_size=limit, max_field_size=limit)
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.port)
         await site.start()
@@ -243,11 +244,42 @@ class ProxyServer:
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "ferryman"}
 
+    def _admit(self, sess: Session) -> None:
+        """Per-session request limits: in flight at once and per minute (429 above either)."""
+        cfg = self.config
+        if cfg.max_concurrent_requests is not None and sess.in_flight >= cfg.max_concurrent_requests:
+            sess.counters["rate_limited"] += 1
+            raise ProxyError(429, f"more than {cfg.max_concurrent_requests} requests of this session at once",
+                             type="rate_limit_error", code="too_many_concurrent_requests")
+        if cfg.max_requests_per_minute is not None:
+            now = time.monotonic()
+            rate = cfg.max_requests_per_minute / 60.0
+            tokens, last = sess.bucket if sess.bucket is not None else (float(cfg.max_requests_per_minute), now)
+            tokens = min(float(cfg.max_requests_per_minute), tokens + (now - last) * rate)
+            if tokens < 1.0:
+                sess.bucket = (tokens, now)
+                sess.counters["rate_limited"] += 1
+                raise ProxyError(429, f"this session is over {cfg.max_requests_per_minute} requests per minute",
+                                 type="rate_limit_error", code="rate_limit_exceeded")
+            sess.bucket = (tokens - 1.0, now)
+
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self.counters["requests"] += 1
         sess: Session | None = None
         try:
             sess = self._session(request)
+            self._admit(sess)
+        except ProxyError as e:
+            self._count_error(e, sess)
+            raise
+        sess.in_flight += 1
+        try:
+            return await self._chat_admitted(request, sess)
+        finally:
+            sess.in_flight -= 1
+
+    async def _chat_admitted(self, request: web.Request, sess: Session) -> web.StreamResponse:
+        try:
             raw = await request.read()
             t_body, c_body = time.perf_counter(), time.thread_time()
             encoding = request.headers.get("Content-Encoding")

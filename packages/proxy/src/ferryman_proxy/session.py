@@ -133,6 +133,10 @@ class Session:
         self.client = client
         self.end_reason: str | None = None
         self.closed = False
+        self.in_flight = 0
+        """Requests of this session being handled now (the server's per-session limit)."""
+        self.bucket: tuple[float, float] | None = None
+        """The rate limit's token bucket: (tokens, monotonic time of the last refill)."""
         self._ct = chat_tokenizer
         self._parser = parser
         self._config = config
@@ -158,6 +162,7 @@ class Session:
             "bad_requests": 0,
             "refused_requests": 0,
             "engine_errors": 0,
+            "rate_limited": 0,
             "prompt_tokens": 0,
             "completion_tokens": 0,
             "full_retokenizations": 0,
