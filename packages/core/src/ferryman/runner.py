@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -29,6 +30,7 @@ from ferryman.checkpoint import (
     read_meta,
 )
 from ferryman.client import ServerClient
+from ferryman.cluster import Placement, cluster_nodes, connect, plan_placement, resolve_address, set_control_actor_options
 from ferryman.config import ConfigError, RunConfig, validate_plugin_sections
 from ferryman.engine_host import EngineHandle, spawn_engine_actors
 from ferryman.plugins import PluginHost
@@ -208,6 +210,15 @@ class RolloutActor:
     async def window_log(self) -> list[dict[str, Any]]:
         return self.rollouter.window_log()
 
+    def node(self) -> dict[str, str]:
+        return _this_node()
+
+
+def _this_node() -> dict[str, str]:
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "address": ray.util.get_node_ip_address()}
+
 
 class _RemoteRollouter:
     """Lets the Synchronizer await a Rollouter actor like a local object."""
@@ -256,6 +267,9 @@ class TrainerActor:
 
     def request_stop(self) -> None:
         self.trainer.request_stop()
+
+    def node(self) -> dict[str, str]:
+        return _this_node()
 
     async def fit(self) -> dict[str, Any]:
         try:
@@ -379,14 +393,45 @@ async def _run_ray(
     import ray
 
     funnel = cfg.funnel()
+    placement = Placement(plan_placement(cfg))
+    layout = await placement.reserve()  # a cluster that cannot hold the run fails here, before anything starts
+    try:
+        return await _run_placed(cfg, host, plugin_cfgs, placement, layout, funnel, resume, resume_step)
+    finally:
+        placement.release()
+        set_control_actor_options({})
+
+
+def _control_options(cfg: RunConfig) -> dict[str, Any]:
+    """Ray options that keep the control plane (Rollouter, MessageQueue) on the driver's node."""
+    if not cfg.ray.control_on_driver_node:
+        return {}
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)}
+
+
+async def _run_placed(
+    cfg: RunConfig, host: PluginHost, plugin_cfgs: dict[str, Any], placement: Placement, layout: dict[str, Any],
+    funnel: dict[str, int], resume: Path | None, resume_step: int | None,
+) -> dict[str, Any]:
+    import ray
+
+    control = _control_options(cfg)
+    set_control_actor_options(control)
     queue = host.create("queue", plugin_cfgs["queue"], maxsize=funnel["max_queue_size"], trace_to=(cfg.run_dir, cfg.trace.level))
     engines = spawn_engine_actors(
         cfg.engine, model_path=cfg.model.path, num_replicas=cfg.rollout.num_replicas, seed=cfg.seed, num_threads=cfg.engine_threads,
-        num_gpus=cfg.rollout.num_gpus_per_replica,
+        actor_options=placement.engine_options,
     )
     await asyncio.gather(*(e.start() for e in engines))
-    rollouter = ray.remote(num_cpus=0, max_concurrency=1000)(RolloutActor).remote(cfg, queue, engines)
-    trainer = ray.remote(num_cpus=0, max_concurrency=100)(TrainerActor).remote(cfg, queue, engines, rollouter, resume_step)
+    rollouter = ray.remote(num_cpus=0, max_concurrency=1000)(RolloutActor).options(**control).remote(cfg, queue, engines)
+    trainer = (
+        ray.remote(max_concurrency=100)(TrainerActor).options(**placement.trainer_options()).remote(cfg, queue, engines, rollouter, resume_step)
+    )
+    nodes = await _where(engines, rollouter, trainer)
+    log.info("placement: %s", nodes)
     remove_handler = _on_sigterm(cfg, lambda: trainer.request_stop.remote())
     fit_ref = None
     try:
@@ -414,7 +459,19 @@ async def _run_ray(
     result["windows"] = await rollouter.window_log.remote()
     result["rollouter"] = await rollouter.stats.remote()
     result["funnel"] = funnel
+    result["placement"] = nodes
+    result["cluster"] = {"layout": layout, "nodes": [vars(n) for n in cluster_nodes(all_nodes=True)]}
     return result
+
+
+async def _where(engines: list[EngineHandle], rollouter: Any, trainer: Any) -> dict[str, Any]:
+    """The Ray node (id, address) of every role: ``summary.json``'s ``placement``."""
+    refs = {e.name: e._actor.node.remote() for e in engines}  # noqa: SLF001 - core's own handle
+    refs["rollouter"] = rollouter.node.remote()
+    refs["trainer"] = trainer.node.remote()
+    names = list(refs)
+    found = await asyncio.gather(*(asyncio.wrap_future(refs[n].future()) for n in names))
+    return dict(zip(names, found))
 
 
 def _no_uv_run_workers() -> None:
@@ -482,16 +539,14 @@ def run(cfg: RunConfig, host: PluginHost | None = None, *, resume: str | Path | 
             import ray
 
             _no_uv_run_workers()
-            started = not ray.is_initialized()
-            if started:
-                ray.init(
-                    num_cpus=cfg.ray_num_cpus or os.cpu_count() or 1,
-                    include_dashboard=False,
-                    logging_level=logging.WARNING,
-                    runtime_env={
-                        "env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", **faults.worker_env()}
-                    },
-                )
+            address = resolve_address(cfg.ray.address)
+            num_cpus = cfg.ray_num_cpus or max(os.cpu_count() or 1, math.ceil(plan_placement(cfg).local_cpus()))
+            started = connect(
+                address,
+                num_cpus=num_cpus,
+                namespace=cfg.ray.namespace,
+                env_vars={"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", **faults.worker_env()},
+            )
             try:
                 summary = asyncio.run(_run_ray(cfg, host, plugin_cfgs, resume_path, resume_step))
             finally:

@@ -1,0 +1,55 @@
+"""Start a local Ray for the run, or join an existing cluster."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ferryman.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_address(configured: str | None) -> str | None:
+    """The cluster to join: ``ray.address`` if set, else ``$RAY_ADDRESS`` (set by
+    ``ray job submit`` and on KubeRay pods), else ``None`` (start a local Ray)."""
+    if configured is not None:
+        return configured.strip()
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    return env or None
+
+
+def connect(
+    address: str | None,
+    *,
+    num_cpus: int | None,
+    namespace: str | None,
+    env_vars: dict[str, str],
+    logging_level: int = logging.WARNING,
+) -> bool:
+    """Connect this driver to Ray: start a local one (``address=None``) or join a cluster.
+    Returns True if this call connected (the caller calls ``ray.shutdown()``: that stops a
+    local Ray and only disconnects from a cluster), False if Ray was already up. Joining passes no resource arguments (Ray refuses them for an existing cluster);
+    ``env_vars`` reach every worker through the job's runtime env either way."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    runtime_env: dict[str, Any] = {"env_vars": env_vars}
+    if address is None:
+        ray.init(
+            num_cpus=num_cpus, include_dashboard=False, logging_level=logging_level, namespace=namespace, runtime_env=runtime_env
+        )
+        return True
+    try:
+        ray.init(address=address, logging_level=logging_level, namespace=namespace, runtime_env=runtime_env)
+    except ConnectionError as e:
+        raise ConfigError(f"ray.address: cannot join the Ray cluster at {address!r} ({e})") from None
+    except Exception as e:
+        if "connect" in str(e).lower() or "could not find any running ray instance" in str(e).lower():
+            raise ConfigError(f"ray.address: cannot join the Ray cluster at {address!r} ({e.__class__.__name__}: {e})") from None
+        raise
+    ctx = ray.get_runtime_context()
+    log.info("joined the Ray cluster at %s (node %s)", address, ctx.get_node_id())
+    return True
