@@ -205,6 +205,9 @@ class RolloutActor:
     async def stats(self) -> dict[str, float]:
         out = self.rollouter.stats()
         out.update(await self.rollouter.client.router.stats())
+        client_stats = getattr(self.rollouter.client, "stats", None)
+        if client_stats is not None:
+            out.update(client_stats())
         return out
 
     async def window_log(self) -> list[dict[str, Any]]:
