@@ -31,6 +31,7 @@ from ferryman.checkpoint import (
 )
 from ferryman.client import ServerClient
 from ferryman.cluster import Placement, cluster_nodes, connect, plan_placement, resolve_address, set_control_actor_options
+from ferryman.cluster.tuning import tune_control_plane_gc
 from ferryman.config import ConfigError, RunConfig, validate_plugin_sections
 from ferryman.engine_host import EngineHandle, spawn_engine_actors
 from ferryman.plugins import PluginHost
@@ -173,6 +174,7 @@ def build_trainer(
 
 class RolloutActor:
     def __init__(self, cfg: RunConfig, queue: Any, engines: list[EngineHandle]) -> None:
+        tune_control_plane_gc()
         quiet_transformers()
         trace.configure(cfg.run_dir, cfg.trace.level, proc="rollouter")
         host = PluginHost()
