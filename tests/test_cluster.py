@@ -160,3 +160,44 @@ def test_the_kuberay_example_is_a_valid_run():
     assert plan.trainer_bundle == {"trainer_node": 1.0} and groups["trainer"] == {"trainer_node": 1}
     replicas = {g["groupName"]: g["replicas"] for g in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
     assert cfg.rollout.num_replicas <= replicas["rollout"] * groups["rollout"]["rollout_node"]
+
+
+@pytest.mark.timeout(1200)
+def test_the_trainers_node_dies_the_run_stops_and_resumes_on_a_new_cluster(tmp_path, tiny_model):
+    """The trainer on the worker node (``trainer_node``), the engines on the head
+    (``rollout_node``), a checkpoint every step. The worker node is killed after step 3: the
+    run stops (exit 1) naming the trainer and the checkpoint to resume from. ``--resume`` on a
+    new cluster (one node that has both resources, another address) finishes the run: every
+    step once, every sample trained once."""
+    run_dir = tmp_path / "run"
+    extra = [
+        "ray.engine.resources={rollout_node: 1}", "ray.engine.num_cpus=0.5", "ray.trainer.resources={trainer_node: 1}",
+        "checkpoint.every_steps=1", "checkpoint.keep=2",
+    ]
+    with LocalRayCluster(tmp_path, head_cpus=1, head_resources={"rollout_node": 2}) as first:
+        worker = first.add_node(num_cpus=1, resources={"trainer_node": 1})
+        proc = _train(first, _args(run_dir, tiny_model, extra))
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before the node could be killed"
+        first.kill_node(worker)
+        rc, out, err = _finish(proc)
+    assert rc == 1, err[-4000:]
+    assert "the trainer died" in err and "--resume" in err and "checkpoints/step-" in err, err[-3000:]
+    error = json.loads((run_dir / "summary.json").read_text())["error"]
+    assert "checkpoints/step-" in error
+
+    with LocalRayCluster(tmp_path, head_cpus=2, head_resources={"rollout_node": 2, "trainer_node": 1}) as second:
+        rc, out, err = _finish(_train(second, ["train", "--resume", str(run_dir)]))
+    assert rc == 0, err[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed"]["step"] >= 2
+    assert [s["step"] for s in summary["steps"]] == list(range(1, STEPS + 1))
+    uids = _trained(summary)
+    assert len(uids) == len(set(uids)) == STEPS * W, "nothing trained twice, nothing lost"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step logged once"
