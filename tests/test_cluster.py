@@ -67,10 +67,15 @@ def cluster(tmp_path):
 @pytest.mark.timeout(900)
 def test_roles_land_on_the_nodes_their_resources_force(cluster, tmp_path, tiny_model):
     """Engines need ``rollout_node`` (only the worker has it), the trainer ``trainer_node`` (only
-    the head); the Rollouter and the queue stay on the driver's node (the head)."""
+    the head); the Rollouter and the queue stay on the driver's node (the head). Weights go by
+    the ``nccl`` transport (gloo on CPU): the engines on the worker node (127.0.0.2) reach the
+    rendezvous and the metadata channel at the trainer node's address."""
     worker = cluster.add_node(num_cpus=2, resources={"rollout_node": 2})
     run_dir = tmp_path / "run"
-    extra = ["ray.address=auto", "ray.engine.resources={rollout_node: 1}", "ray.trainer.resources={trainer_node: 1}"]
+    extra = [
+        "ray.address=auto", "ray.engine.resources={rollout_node: 1}", "ray.trainer.resources={trainer_node: 1}",
+        "weight_sync={type: nccl, backend: gloo, timeout_s: 60}",
+    ]
     rc, out, err = _finish(_train(cluster, _args(run_dir, tiny_model, extra)))
     assert rc == 0, err[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -81,6 +86,8 @@ def test_roles_land_on_the_nodes_their_resources_force(cluster, tmp_path, tiny_m
     assert where["trainer"] == trainer_node and where["rollouter"] == trainer_node, where
     assert summary["placement"]["replica-0"]["address"] == worker.ip, "the worker node's own address"
     assert len(summary["steps"]) == STEPS and len(set(_trained(summary))) == STEPS * W
+    assert len(summary["syncs"]) == STEPS and summary["lost_replicas"] == []
+    assert summary["placement"]["trainer"]["address"] == cluster.head_ip != worker.ip
 
 
 @pytest.mark.timeout(900)
