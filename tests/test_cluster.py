@@ -86,7 +86,7 @@ def test_roles_land_on_the_nodes_their_resources_force(cluster, tmp_path, tiny_m
     assert where["trainer"] == trainer_node and where["rollouter"] == trainer_node, where
     assert summary["placement"]["replica-0"]["address"] == worker.ip, "the worker node's own address"
     assert len(summary["steps"]) == STEPS and len(set(_trained(summary))) == STEPS * W
-    assert len(summary["syncs"]) == STEPS and summary["lost_replicas"] == []
+    assert len(summary["syncs"]) >= STEPS - 1 and summary["lost_replicas"] == []
     assert summary["placement"]["trainer"]["address"] == cluster.head_ip != worker.ip
 
 
