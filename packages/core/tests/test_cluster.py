@@ -89,3 +89,17 @@ def test_the_address_a_run_joins(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # what `ray job submit` sets
     assert resolve_address(None) == "10.0.0.1:6379"
     assert resolve_address("ray://head:10001") == "ray://head:10001", "the config wins"
+
+
+@pytest.mark.parametrize(("address", "says"), [("127.0.0.1:1", "nothing answers at '127.0.0.1:1'"), ("ray://127.0.0.1:1", "nothing answers"), ("headnode", "is not 'auto'")])
+def test_a_cluster_address_nothing_answers_at_fails_fast(address, says):
+    """``ray.init`` would retry a dead address for minutes: the run says so at once."""
+    import socket
+
+    with socket.socket() as s:  # make sure port 1 refuses (nothing listens on it)
+        assert s.connect_ex(("127.0.0.1", 1)) != 0
+    from ferryman.cluster import connect
+
+    with pytest.raises(ConfigError, match="ray.address") as e:
+        connect(address, num_cpus=1, namespace=None, env_vars={})
+    assert says in str(e.value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any
 
 from ferryman.config import ConfigError
@@ -18,6 +19,21 @@ def resolve_address(configured: str | None) -> str | None:
         return configured.strip()
     env = os.environ.get("RAY_ADDRESS", "").strip()
     return env or None
+
+
+def _probe(address: str, timeout_s: float = 10.0) -> None:
+    """Fail fast on a cluster address nothing answers at: ``ray.init`` would retry for minutes."""
+    if address == "auto":
+        return  # Ray resolves it from $RAY_ADDRESS or this machine's running cluster, or says it found none
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"ray.address: {address!r} is not 'auto', 'HOST:PORT' or 'ray://HOST:PORT'")
+    host = host.strip("[]")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"ray.address: nothing answers at {address!r} ({e.__class__.__name__}: {e}); is the Ray head running?") from None
 
 
 def connect(
@@ -42,6 +58,7 @@ def connect(
             num_cpus=num_cpus, include_dashboard=False, logging_level=logging_level, namespace=namespace, runtime_env=runtime_env
         )
         return True
+    _probe(address)
     try:
         ray.init(address=address, logging_level=logging_level, namespace=namespace, runtime_env=runtime_env)
     except ConnectionError as e:
