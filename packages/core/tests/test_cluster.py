@@ -103,3 +103,17 @@ def test_a_cluster_address_nothing_answers_at_fails_fast(address, says):
     with pytest.raises(ConfigError, match="ray.address") as e:
         connect(address, num_cpus=1, namespace=None, env_vars={})
     assert says in str(e.value)
+
+
+def test_under_ray_job_submit_the_jobs_own_env_vars_win(monkeypatch):
+    """Ray refuses a driver runtime env that sets a variable the submitted job's runtime env
+    sets too: those are left to the job."""
+    import json
+
+    from ferryman.cluster import job_env_vars
+
+    ours = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    assert job_env_vars(ours) == ours
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "8"}, "working_dir": "x"}}))
+    assert job_env_vars(ours) == {"TOKENIZERS_PARALLELISM": "false"}

@@ -10,7 +10,7 @@
 """
 
 from ferryman.cluster.capacity import ClusterCapacityError, NodeInfo, check_capacity, cluster_nodes
-from ferryman.cluster.connect import connect, resolve_address
+from ferryman.cluster.connect import connect, job_env_vars, resolve_address
 from ferryman.cluster.placement import (
     Placement,
     PlacementPlan,
@@ -28,6 +28,7 @@ __all__ = [
     "cluster_nodes",
     "connect",
     "control_actor_options",
+    "job_env_vars",
     "plan_placement",
     "resolve_address",
     "set_control_actor_options",

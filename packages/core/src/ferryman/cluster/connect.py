@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -19,6 +20,20 @@ def resolve_address(configured: str | None) -> str | None:
         return configured.strip()
     env = os.environ.get("RAY_ADDRESS", "").strip()
     return env or None
+
+
+def job_env_vars(env_vars: dict[str, str]) -> dict[str, str]:
+    """``env_vars`` less the variables the submitted job's own runtime env sets (under ``ray job
+    submit --runtime-env-json``): Ray refuses a driver runtime env that names them again, and
+    the job's values win."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return dict(env_vars)
+    try:
+        job_vars = (json.loads(raw).get("runtime_env") or {}).get("env_vars") or {}
+    except (ValueError, AttributeError):
+        return dict(env_vars)
+    return {k: v for k, v in env_vars.items() if k not in job_vars}
 
 
 def _probe(address: str, timeout_s: float = 10.0) -> None:
@@ -52,7 +67,7 @@ def connect(
 
     if ray.is_initialized():
         return False
-    runtime_env: dict[str, Any] = {"env_vars": env_vars}
+    runtime_env: dict[str, Any] = {"env_vars": job_env_vars(env_vars)}
     if address is None:
         ray.init(
             num_cpus=num_cpus, include_dashboard=False, logging_level=logging_level, namespace=namespace, runtime_env=runtime_env
