@@ -115,7 +115,7 @@ def test_a_worker_node_dies_its_replica_is_quarantined_and_the_run_finishes(clus
     worker = cluster.add_node(num_cpus=1)
     run_dir = tmp_path / "run"
     extra = [
-        "ray.placement_strategy=STRICT_SPREAD", "ray.trainer.resources={trainer_node: 1}",
+        "ray.placement_strategy=STRICT_SPREAD", "ray.engine.num_cpus=1", "ray.trainer.resources={trainer_node: 1}",
         # generation slower than training: both replicas always have requests in flight, so the
         # kill catches some on the lost one
         "engine.step_delay_s=0.3", "rollout.max_tokens=4",

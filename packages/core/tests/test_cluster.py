@@ -63,7 +63,7 @@ def test_bundles_from_the_config():
     assert plan.trainer_bundle == {"CPU": 4.0, "GPU": 1.0}
     assert plan.num_engines == 4 and plan.strategy == "SPREAD" and plan.local_cpus() == 12
     default, _ = load_config(None, [])
-    assert plan_placement(default).engine_bundle == {"CPU": 1.0} and plan_placement(default).trainer_bundle == {}
+    assert plan_placement(default).engine_bundle == {} and plan_placement(default).trainer_bundle == {}, "nothing reserved on a laptop"
 
 
 @pytest.mark.parametrize(

@@ -211,8 +211,9 @@ class RolePlacementConfig(Strict):
 
 
 class EnginePlacementConfig(RolePlacementConfig):
-    num_cpus: float = Field(1.0, ge=0.0)
-    """CPUs in each engine replica's bundle (its GPUs are ``rollout.num_gpus_per_replica``)."""
+    """Each engine replica's bundle: these CPUs and resources plus its GPUs
+    (``rollout.num_gpus_per_replica``). A bundle that asks for nothing (CPU engines with the
+    defaults) is no placement group: the replicas go where Ray puts them, as on a laptop."""
 
 
 class TrainerPlacementConfig(RolePlacementConfig):
