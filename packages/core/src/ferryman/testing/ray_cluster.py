@@ -75,6 +75,9 @@ class LocalRayCluster:
             RAY_agent_register_timeout_ms="300000",  # a loaded machine starts the node agents slowly
             RAY_ENABLE_UV_RUN_RUNTIME_ENV="0",
             RAY_USAGE_STATS_ENABLED="0",
+            # a test cluster on this machine: no token auth, whatever ~/.ray holds (Ray turns it
+            # on for a head when a token file exists, and the nodes must agree)
+            RAY_AUTH_MODE="disabled",
             OMP_NUM_THREADS="1",
             TOKENIZERS_PARALLELISM="false",
         )
