@@ -435,11 +435,12 @@ async def _run_placed(
     trainer = (
         ray.remote(max_concurrency=100)(TrainerActor).options(**placement.trainer_options()).remote(cfg, queue, engines, rollouter, resume_step)
     )
-    nodes = await _where(engines, rollouter, trainer)
-    log.info("placement: %s", nodes)
     remove_handler = _on_sigterm(cfg, lambda: trainer.request_stop.remote())
     fit_ref = None
+    nodes: dict[str, Any] = {}
     try:
+        nodes = await _where(engines, rollouter, trainer)  # (a trainer that fails to start raises here)
+        log.info("placement: %s", nodes)
         if resume is not None:
             await trainer.restore.remote(str(resume))
         fit_ref = rollouter.fit.remote()
