@@ -116,9 +116,10 @@ def test_a_worker_node_dies_its_replica_is_quarantined_and_the_run_finishes(clus
     run_dir = tmp_path / "run"
     extra = [
         "ray.placement_strategy=STRICT_SPREAD", "ray.engine.num_cpus=1", "ray.trainer.resources={trainer_node: 1}",
-        # generation slower than training: both replicas always have requests in flight, so the
-        # kill catches some on the lost one
-        "engine.step_delay_s=0.3", "rollout.max_tokens=4",
+        # generation (4 tokens of 1 s) much slower than a trainer step: each window's requests
+        # are still in flight when the previous step's metrics are written, so the kill
+        # catches some on the lost replica (at 0.3 s a token, the windows were done by then)
+        "engine.step_delay_s=1.0", "rollout.max_tokens=4",
     ]
     proc = _train(cluster, _args(run_dir, tiny_model, extra))
     metrics = run_dir / "metrics.jsonl"
