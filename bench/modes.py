@@ -97,7 +97,7 @@ def gpu_stack(args: argparse.Namespace) -> list[str]:
     share = round(0.6 / args.gpu_replicas, 3)
     return [
         "ray_num_gpus=1",
-        "trainer_num_gpus=0.4",
+        "ray.trainer.num_gpus=0.4",
         f"rollout.num_gpus_per_replica={share}",
         (
             "engine={type: vllm, core: thread, dtype: bfloat16, gpu_memory_utilization: 0.15, "

@@ -52,15 +52,15 @@ def test_gpu_examples_say_what_they_promise():
         assert cfg.model.build_tiny and cfg.model.tiny_preset is not None
     # one GPU: every actor shares it, weights over CUDA IPC
     assert one.ray_num_gpus == 1 and one.weight_sync == {"type": "cuda_ipc"}
-    assert one.rollout.num_replicas * one.rollout.num_gpus_per_replica + one.trainer_num_gpus <= 1
-    assert one.rollout.num_replicas * one.engine["gpu_memory_utilization"] < 1 - one.trainer_num_gpus
+    assert one.rollout.num_replicas * one.rollout.num_gpus_per_replica + one.ray.trainer.num_gpus <= 1
+    assert one.rollout.num_replicas * one.engine["gpu_memory_utilization"] < 1 - one.ray.trainer.num_gpus
     # two GPUs: engines share the first, the trainer has the second, weights over NCCL
-    assert two.ray_num_gpus == 2 and two.weight_sync["type"] == "nccl" and two.trainer_num_gpus == 1
+    assert two.ray_num_gpus == 2 and two.weight_sync["type"] == "nccl" and two.ray.trainer.num_gpus == 1
     assert two.rollout.num_replicas * two.rollout.num_gpus_per_replica <= 1
 
 
 def test_one_gpu_with_too_large_shares_fails_naming_the_fields():
     from ferryman.config import ConfigError
 
-    with pytest.raises(ConfigError, match="rollout.num_gpus_per_replica / trainer_num_gpus"):
-        load_config(ROOT / "examples/gpu/one_gpu.yaml", ["trainer_num_gpus=0.5"], None)
+    with pytest.raises(ConfigError, match="rollout.num_gpus_per_replica / ray.trainer.num_gpus"):
+        load_config(ROOT / "examples/gpu/one_gpu.yaml", ["ray.trainer.num_gpus=0.5"], None)

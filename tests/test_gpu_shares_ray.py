@@ -27,7 +27,7 @@ def test_fractional_gpu_shares_place_engines_and_trainer_on_one_gpu(tmp_path, ti
             "training.total_steps=3",
             "ray_num_gpus=1",
             "rollout.num_gpus_per_replica=0.3",
-            "trainer_num_gpus=0.4",
+            "ray.trainer.num_gpus=0.4",
             "training.mismatch_kl_every=1",
             "checkpoint.every_steps=0",
             "trackers=[{type: jsonl}]",

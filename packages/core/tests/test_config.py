@@ -122,28 +122,28 @@ def test_every_example_config_parses():
     "overrides",
     [
         # one H200: two engine replicas and the Trainer share it
-        ["ray_num_gpus=1", "rollout.num_replicas=2", "rollout.num_gpus_per_replica=0.3", "trainer_num_gpus=0.4"],
+        ["ray_num_gpus=1", "rollout.num_replicas=2", "rollout.num_gpus_per_replica=0.3", "ray.trainer.num_gpus=0.4"],
         # two GPUs: the engines share one, the Trainer has the other
-        ["ray_num_gpus=2", "rollout.num_replicas=2", "rollout.num_gpus_per_replica=0.5", "trainer_num_gpus=1"],
+        ["ray_num_gpus=2", "rollout.num_replicas=2", "rollout.num_gpus_per_replica=0.5", "ray.trainer.num_gpus=1"],
         # 3 x 0.6 cannot share, but fit three GPUs one each
         ["ray_num_gpus=3", "rollout.num_replicas=3", "rollout.num_gpus_per_replica=0.6"],
         # no ray_num_gpus: only Ray's own rule is checked
-        ["rollout.num_replicas=4", "rollout.num_gpus_per_replica=0.5", "trainer_num_gpus=0.5"],
+        ["rollout.num_replicas=4", "rollout.num_gpus_per_replica=0.5", "ray.trainer.num_gpus=0.5"],
     ],
 )
 def test_gpu_shares_that_fit(overrides):
     cfg, _ = load_config(None, overrides)
-    assert cfg.trainer_num_gpus <= 1
+    assert cfg.ray.trainer.num_gpus <= 1
 
 
 @pytest.mark.parametrize(
     "overrides,field",
     [
-        (["ray_num_gpus=1", "rollout.num_replicas=2", "rollout.num_gpus_per_replica=0.4", "trainer_num_gpus=0.3"], "rollout.num_gpus_per_replica / trainer_num_gpus"),
-        (["ray_num_gpus=2", "rollout.num_replicas=3", "rollout.num_gpus_per_replica=0.6"], "rollout.num_gpus_per_replica / trainer_num_gpus"),
-        (["ray_num_gpus=1", "rollout.num_gpus_per_replica=1", "trainer_num_gpus=1"], "whole-GPU requests alone take 2"),
+        (["ray_num_gpus=1", "rollout.num_replicas=2", "rollout.num_gpus_per_replica=0.4", "ray.trainer.num_gpus=0.3"], "rollout.num_gpus_per_replica / ray.trainer.num_gpus"),
+        (["ray_num_gpus=2", "rollout.num_replicas=3", "rollout.num_gpus_per_replica=0.6"], "rollout.num_gpus_per_replica / ray.trainer.num_gpus"),
+        (["ray_num_gpus=1", "rollout.num_gpus_per_replica=1", "ray.trainer.num_gpus=1"], "whole-GPU requests alone take 2"),
         (["rollout.num_gpus_per_replica=1.5"], "rollout.num_gpus_per_replica"),
-        (["trainer_num_gpus=2.5"], "trainer_num_gpus"),
+        (["ray.trainer.num_gpus=2.5"], "ray.trainer.num_gpus"),
     ],
 )
 def test_gpu_shares_that_cannot_fit_fail_naming_the_field(overrides, field):

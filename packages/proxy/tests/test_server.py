@@ -535,3 +535,45 @@ async def test_required_tool_choice_without_a_call_is_counted(proxy, http):
     status, out = await post(http, sess, {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": "required"})
     assert status == 200 and out["choices"][0]["message"]["content"] == "no call"
     assert (await server.close_session(sess)).metrics["proxy/tool_choice_unmet"] == 1
+
+
+def _external_ip() -> str | None:
+    """This machine's address on a non-loopback interface (None if it has none)."""
+    import socket
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("192.0.2.1", 9))  # TEST-NET: nothing is sent, the kernel picks the interface
+        ip = s.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        s.close()
+    return None if ip.startswith("127.") else ip
+
+
+async def test_reachable_from_other_nodes_with_the_secret_kept(proxy, http):
+    """``host: 0.0.0.0`` with ``advertise_host``: session URLs name the node's address, which
+    answers (as a sandbox on another node would connect); a URL without the session's secret
+    still gets 404."""
+    ip = _external_ip()
+    if ip is None:
+        pytest.skip("no non-loopback interface")
+    server, _, engine = await proxy(host="0.0.0.0", advertise_host=ip)
+    assert server.url.startswith(f"http://{ip}:")
+    sess = server.open_session("ra", SamplingParams(max_tokens=4))
+    assert sess.base_url.startswith(f"http://{ip}:") and sess.secret in sess.base_url
+    status, _ = await post(http, sess, {"messages": [{"role": "user", "content": "x"}]})
+    assert status == 200 and [c[0] for c in engine.calls] == ["ra"]
+    status, err = await post(http, f"{server.url}/sess/{'x' * len(sess.secret)}/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    assert status == 404 and "error" in err
+
+
+def test_advertised_host():
+    from ferryman_proxy.server import advertised_host
+
+    assert advertised_host("10.1.2.3") == "10.1.2.3"
+    assert advertised_host("0.0.0.0", "10.1.2.3") == "10.1.2.3"
+    assert advertised_host("0.0.0.0") == "127.0.0.1", "outside Ray: loopback"
+    with pytest.raises(ValueError, match="advertise_host"):
+        ProxyConfig(advertise_host="0.0.0.0")

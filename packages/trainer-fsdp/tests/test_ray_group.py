@@ -86,11 +86,12 @@ def test_two_ray_ranks_match_one_rank(local_ray, model_dir):
         torch.testing.assert_close(two_weights[name], tensor, rtol=1e-4, atol=1e-5)
 
 
-def test_group_that_cannot_be_placed_fails_clearly_and_leaves_nothing(local_ray, model_dir):
+@pytest.mark.parametrize("ask", [{"num_cpus_per_worker": 64}, {"worker_resources": {"trainer_node": 1}}], ids=["cpus", "custom-resource"])
+def test_group_that_cannot_be_placed_fails_clearly_and_leaves_nothing(local_ray, model_dir, ask):
     before = ray.available_resources().get("CPU", 0)
     with pytest.raises(RuntimeError, match="could not place"):
         make_fsdp_trainer(
-            _config(num_workers=2, num_cpus_per_worker=64, placement_timeout_s=2, use_critic=False),
+            _config(num_workers=2, placement_timeout_s=2, use_critic=False, **ask),
             model_path=model_dir,
             algorithm=AlgorithmConfig(),
         )

@@ -215,6 +215,13 @@ class ServerClient:
         log.debug("generate %s: %d tokens in %d pieces, %.3fs", request_id, len(merged.token_ids), pieces, time.monotonic() - t0)
         return merged
 
+    def stats(self) -> dict[str, float]:
+        return {
+            "client/calls": float(self.num_calls),
+            "client/resumes": float(self.num_resumes),
+            "client/failovers": float(self.num_failovers),
+        }
+
     async def drain(self) -> None:
         """Wait for fire-and-forget releases (tests, shutdown)."""
         if self._pending_releases:

@@ -141,7 +141,7 @@ class RolloutConfig(Strict):
     num_gpus_per_replica: float = Field(0.0, ge=0.0)
     """GPUs each engine replica's Ray actor reserves (e.g. the tensor-parallel size for vLLM);
     0 for CPU engines. A fraction below 1 shares a GPU (with other replicas, or with the
-    Trainer: ``trainer_num_gpus``); above 1 it must be a whole number (Ray's rule)."""
+    Trainer: ``ray.trainer.num_gpus``); above 1 it must be a whole number (Ray's rule)."""
 
     @field_validator("num_gpus_per_replica")
     @classmethod
@@ -277,6 +277,82 @@ class CheckpointConfig(Strict):
     """On SIGTERM, save a checkpoint at the next sync boundary and stop (exit code 75)."""
 
 
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+class RolePlacementConfig(Strict):
+    """What one role's Ray actor (or placement-group bundle) reserves, and where it may go."""
+
+    num_cpus: float = Field(0.0, ge=0.0)
+    """CPUs reserved (logical Ray CPUs)."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources, e.g. ``{rollout_node: 1}`` for nodes started with
+    ``ray start --resources='{"rollout_node": 8}'``."""
+    accelerator_type: str | None = None
+    """Only nodes of this accelerator type (Ray's ``accelerator_type:<T>`` node resource, e.g.
+    ``H100``, ``A100``)."""
+
+    @field_validator("resources")
+    @classmethod
+    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, amount in v.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name!r}: give CPUs as num_cpus and GPUs as rollout.num_gpus_per_replica / num_gpus, not as a custom resource")
+            if amount <= 0:
+                raise ValueError(f"{name!r}: amount must be > 0, got {amount}")
+        return v
+
+
+class EnginePlacementConfig(RolePlacementConfig):
+    """Each engine replica's bundle: these CPUs and resources plus its GPUs
+    (``rollout.num_gpus_per_replica``). A bundle that asks for nothing (CPU engines with the
+    defaults) is no placement group: the replicas go where Ray puts them, as on a laptop."""
+
+
+class TrainerPlacementConfig(RolePlacementConfig):
+    num_gpus: float = Field(0.0, ge=0.0)
+    """GPUs the trainer's actor reserves (a trainer plugin that starts rank actors of its own,
+    such as FSDP with ``num_workers > 1``, reserves theirs itself). A fraction below 1 shares
+    the GPU with engine replicas (``rollout.num_gpus_per_replica``), e.g. the vLLM engine and the
+    FSDP trainer on one H200 with ``weight_sync: {type: cuda_ipc}``; above 1 it must be whole."""
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _gpu_amount(cls, v: float) -> float:
+        return check_gpu_amount(v)
+
+
+class RayConfig(Strict):
+    """Where the Ray actors run: a local Ray started for the run, or an existing cluster."""
+
+    address: str | None = None
+    """``null``: ``$RAY_ADDRESS`` if set (``ray job submit`` sets it), else a local Ray started
+    for this run (sized by ``ray_num_cpus``). ``auto``: the cluster this machine belongs to.
+    ``HOST:PORT`` (the GCS) or ``ray://HOST:10001`` (Ray Client). An existing cluster is joined
+    as it is: no resource arguments are passed."""
+    namespace: str | None = None
+    """Ray namespace of the run's actors (``null``: an anonymous one)."""
+    placement_strategy: PlacementStrategy = "PACK"
+    """Strategy of the engine replicas' placement group (one bundle per replica, so a replica's
+    GPUs, tensor parallel included, are always on one node). ``PACK``: as few nodes as possible;
+    ``SPREAD``: over as many nodes as possible; ``STRICT_*``: the same, or fail."""
+    engine: EnginePlacementConfig = Field(default_factory=EnginePlacementConfig)
+    trainer: TrainerPlacementConfig = Field(default_factory=TrainerPlacementConfig)
+    placement_timeout_s: float = Field(120.0, gt=0)
+    """How long to wait for a placement group that fits the cluster but whose resources are
+    held by other jobs; then the run stops with what was pending."""
+    control_on_driver_node: bool = True
+    """Keep the Rollouter and the MessageQueue on the driver's node (the head node under
+    ``ray job submit``), so that losing a worker node never takes the control plane."""
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("empty; use null (local Ray or $RAY_ADDRESS), 'auto', 'HOST:PORT' or 'ray://HOST:10001'")
+        return v
+
+
 class RunConfig(Strict):
     """The whole run."""
 
@@ -300,14 +376,13 @@ class RunConfig(Strict):
     ``inline``: all of them on one asyncio loop in this process (tests, debugging); the queue is
     then always the in-process ``local`` queue, whatever ``queue.type`` says (logged)."""
     ray_num_cpus: int | None = None
+    """CPUs of the local Ray started for a run (default: this machine's, or what the run's
+    placement needs if more). Ignored when joining a cluster (``ray.address``)."""
     ray_num_gpus: int | None = Field(None, ge=0)
     """GPUs the local Ray instance has (default: those Ray detects). When set, the GPU shares of
-    the engine replicas and the Trainer must fit them (checked here, before anything starts)."""
-    trainer_num_gpus: float = Field(0.0, ge=0.0)
-    """GPUs the Trainer's Ray actor reserves (``runtime: ray``); a trainer backend running one
-    rank in it (``trainer.num_workers: 1``) uses them. A fraction below 1 shares the GPU with
-    engine replicas (``rollout.num_gpus_per_replica``), e.g. the vLLM engine and the FSDP
-    trainer on one H200 with ``weight_sync: {type: cuda_ipc}``; above 1 it must be whole."""
+    the engine replicas and the Trainer (``ray.trainer.num_gpus``) must fit them (checked here, before anything starts)."""
+    ray: RayConfig = Field(default_factory=RayConfig)
+    """Ray cluster and placement (``runtime: ray``); see docs/cluster.md."""
     engine_threads: int = Field(1, ge=1)
     """torch threads per engine replica."""
     trainer_threads: int = Field(1, ge=1)
@@ -316,21 +391,16 @@ class RunConfig(Strict):
     trace: TraceConfig = Field(default_factory=TraceConfig)
     """The event trace in ``RUN_DIR/trace/`` (see :mod:`ferryman.trace`)."""
 
-    @field_validator("trainer_num_gpus")
-    @classmethod
-    def _trainer_gpu_amount(cls, v: float) -> float:
-        return check_gpu_amount(v)
-
     @model_validator(mode="after")
     def gpu_shares_fit(self) -> RunConfig:
         if self.ray_num_gpus is None:
             return self
         demands = [("rollout.num_gpus_per_replica", self.rollout.num_gpus_per_replica)] * self.rollout.num_replicas
-        demands.append(("trainer_num_gpus", self.trainer_num_gpus))
+        demands.append(("ray.trainer.num_gpus", self.ray.trainer.num_gpus))
         problem = pack_gpus([d for _, d in demands], self.ray_num_gpus)
         if problem:
-            asked = f"{self.rollout.num_replicas} x rollout.num_gpus_per_replica={self.rollout.num_gpus_per_replica:g} + trainer_num_gpus={self.trainer_num_gpus:g}"
-            raise ValueError(f"rollout.num_gpus_per_replica / trainer_num_gpus: {asked} do not fit ray_num_gpus={self.ray_num_gpus} ({problem})")
+            asked = f"{self.rollout.num_replicas} x rollout.num_gpus_per_replica={self.rollout.num_gpus_per_replica:g} + ray.trainer.num_gpus={self.ray.trainer.num_gpus:g}"
+            raise ValueError(f"rollout.num_gpus_per_replica / ray.trainer.num_gpus: {asked} do not fit ray_num_gpus={self.ray_num_gpus} ({problem})")
         return self
 
     @model_validator(mode="after")

@@ -139,6 +139,12 @@ class EngineActor:
         await self._receivers.close()
         await self.engine.shutdown()
 
+    def node(self) -> dict[str, str]:
+        """Where this replica runs: Ray node id and address."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "address": ray.util.get_node_ip_address()}
+
 
 class EngineHandle:
     """Uniform async access to one replica, local (an engine object) or remote (a Ray actor)."""
@@ -240,16 +246,20 @@ class EngineHandle:
 def spawn_engine_actors(
     engine_cfg: dict[str, Any], *, model_path: str, num_replicas: int, seed: int, num_threads: int = 1,
     num_gpus: float = 0.0,
+    actor_options: Any = None,
 ) -> list[EngineHandle]:
     """Start ``num_replicas`` engine actors (not yet started: call ``start()`` on each). Each
-    actor reserves ``num_gpus`` GPUs (Ray then sets its ``CUDA_VISIBLE_DEVICES``)."""
+    actor reserves ``num_gpus`` GPUs (Ray then sets its ``CUDA_VISIBLE_DEVICES``), unless
+    ``actor_options(i)`` gives replica ``i``'s Ray actor options (resources and scheduling
+    strategy: its placement-group bundle, see :mod:`ferryman.cluster`)."""
     import ray
 
     actor_cls = ray.remote(num_cpus=0, max_concurrency=10_000)(EngineActor)
     handles = []
     for i in range(num_replicas):
         name = f"replica-{i}"
-        actor = actor_cls.options(name=None, num_gpus=num_gpus).remote(
+        opts = actor_options(i) if actor_options is not None else {"num_gpus": num_gpus}
+        actor = actor_cls.options(name=None, **opts).remote(
             engine_cfg, model_path=model_path, replica=name, seed=seed + i, num_threads=num_threads
         )
         handles.append(EngineHandle(name, actor=actor))

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import tempfile
@@ -33,6 +34,8 @@ from ferryman.checkpoint import (
     read_meta,
 )
 from ferryman.client import ServerClient
+from ferryman.cluster import Placement, cluster_nodes, connect, plan_placement, resolve_address, set_control_actor_options
+from ferryman.cluster.tuning import tune_control_plane_gc
 from ferryman.config import ConfigError, RunConfig, missing_requirements, validate_plugin_sections
 from ferryman.engine_host import EngineHandle, spawn_engine_actors
 from ferryman.plugins import PluginError, PluginHost
@@ -266,6 +269,7 @@ async def engine_memory(engines: list[Any]) -> dict[str, float]:
 
 class RolloutActor:
     def __init__(self, cfg: RunConfig, queue: Any, engines: list[EngineHandle]) -> None:
+        tune_control_plane_gc()
         quiet_transformers()
         trace.configure(cfg.run_dir, cfg.trace.level, proc="rollouter")
         host = PluginHost()
@@ -298,10 +302,22 @@ class RolloutActor:
     async def stats(self) -> dict[str, float]:
         out = self.rollouter.stats()
         out.update(await self.rollouter.client.router.stats())
+        client_stats = getattr(self.rollouter.client, "stats", None)
+        if client_stats is not None:
+            out.update(client_stats())
         return out
 
     async def window_log(self) -> list[dict[str, Any]]:
         return self.rollouter.window_log()
+
+    def node(self) -> dict[str, str]:
+        return _this_node()
+
+
+def _this_node() -> dict[str, str]:
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "address": ray.util.get_node_ip_address()}
 
 
 class _RemoteRollouter:
@@ -330,7 +346,7 @@ class _RemoteRollouter:
 
 
 def _gpu_ids() -> list[Any]:
-    """The GPUs Ray gave this actor (``trainer_num_gpus``), for the summary."""
+    """The GPUs Ray gave this actor (``ray.trainer.num_gpus``), for the summary."""
     import ray
 
     try:
@@ -361,6 +377,9 @@ class TrainerActor:
 
     def request_stop(self) -> None:
         self.trainer.request_stop()
+
+    def node(self) -> dict[str, str]:
+        return _this_node()
 
     async def fit(self) -> dict[str, Any]:
         try:
@@ -501,18 +520,49 @@ async def _run_ray(
     import ray
 
     funnel = cfg.funnel()
+    placement = Placement(plan_placement(cfg))
+    layout = await placement.reserve()  # a cluster that cannot hold the run fails here, before anything starts
+    try:
+        return await _run_placed(cfg, host, plugin_cfgs, placement, layout, funnel, resume, resume_step)
+    finally:
+        placement.release()
+        set_control_actor_options({})
+
+
+def _control_options(cfg: RunConfig) -> dict[str, Any]:
+    """Ray options that keep the control plane (Rollouter, MessageQueue) on the driver's node."""
+    if not cfg.ray.control_on_driver_node:
+        return {}
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)}
+
+
+async def _run_placed(
+    cfg: RunConfig, host: PluginHost, plugin_cfgs: dict[str, Any], placement: Placement, layout: dict[str, Any],
+    funnel: dict[str, int], resume: Path | None, resume_step: int | None,
+) -> dict[str, Any]:
+    import ray
+
+    control = _control_options(cfg)
+    set_control_actor_options(control)
     queue = host.create("queue", plugin_cfgs["queue"], maxsize=funnel["max_queue_size"], trace_to=(cfg.run_dir, cfg.trace.level))
     engines = spawn_engine_actors(
         cfg.engine, model_path=cfg.model.path, num_replicas=cfg.rollout.num_replicas, seed=cfg.seed, num_threads=cfg.engine_threads,
-        num_gpus=cfg.rollout.num_gpus_per_replica,
+        actor_options=placement.engine_options,
     )
     await asyncio.gather(*(e.start() for e in engines))
-    rollouter = ray.remote(num_cpus=0, max_concurrency=1000)(RolloutActor).remote(cfg, queue, engines)
-    trainer_cls = ray.remote(num_cpus=0, num_gpus=cfg.trainer_num_gpus, max_concurrency=100)(TrainerActor)
-    trainer = trainer_cls.remote(cfg, queue, engines, rollouter, resume_step)
+    rollouter = ray.remote(num_cpus=0, max_concurrency=1000)(RolloutActor).options(**control).remote(cfg, queue, engines)
+    trainer = (
+        ray.remote(max_concurrency=100)(TrainerActor).options(**placement.trainer_options()).remote(cfg, queue, engines, rollouter, resume_step)
+    )
     remove_handler = _on_sigterm(cfg, lambda: trainer.request_stop.remote())
     fit_ref = None
+    nodes: dict[str, Any] = {}
     try:
+        nodes = await _where(engines, rollouter, trainer)  # (a trainer that fails to start raises here)
+        log.info("placement: %s", nodes)
         if resume is not None:
             await trainer.restore.remote(str(resume))
         fit_ref = rollouter.fit.remote()
@@ -537,7 +587,19 @@ async def _run_ray(
     result["windows"] = await rollouter.window_log.remote()
     result["rollouter"] = await rollouter.stats.remote()
     result["funnel"] = funnel
+    result["placement"] = nodes
+    result["cluster"] = {"layout": layout, "nodes": [vars(n) for n in cluster_nodes(all_nodes=True)]}
     return result
+
+
+async def _where(engines: list[EngineHandle], rollouter: Any, trainer: Any) -> dict[str, Any]:
+    """The Ray node (id, address) of every role: ``summary.json``'s ``placement``."""
+    refs = {e.name: e._actor.node.remote() for e in engines}  # noqa: SLF001 - core's own handle
+    refs["rollouter"] = rollouter.node.remote()
+    refs["trainer"] = trainer.node.remote()
+    names = list(refs)
+    found = await asyncio.gather(*(asyncio.wrap_future(refs[n].future()) for n in names))
+    return dict(zip(names, found))
 
 
 def _no_uv_run_workers() -> None:
@@ -621,18 +683,15 @@ def run(cfg: RunConfig, host: PluginHost | None = None, *, resume: str | Path | 
 
             _no_uv_run_workers()
             quiet_ray_auth_warning()
-            started = not ray.is_initialized()
-            if started:
-                gpus = {} if cfg.ray_num_gpus is None else {"num_gpus": cfg.ray_num_gpus}
-                ray.init(
-                    num_cpus=cfg.ray_num_cpus or os.cpu_count() or 1,
-                    **gpus,
-                    include_dashboard=False,
-                    logging_level=logging.WARNING,
-                    runtime_env={
-                        "env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", **faults.worker_env()}
-                    },
-                )
+            address = resolve_address(cfg.ray.address)
+            num_cpus = cfg.ray_num_cpus or max(os.cpu_count() or 1, math.ceil(plan_placement(cfg).local_cpus()))
+            started = connect(
+                address,
+                num_cpus=num_cpus,
+                num_gpus=cfg.ray_num_gpus,
+                namespace=cfg.ray.namespace,
+                env_vars={"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", **faults.worker_env()},
+            )
             try:
                 summary = asyncio.run(_run_ray(cfg, host, plugin_cfgs, resume_path, resume_step))
             finally:

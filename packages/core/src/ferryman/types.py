@@ -6,8 +6,9 @@ through Ray and serialises to JSON for checkpoints and traces.
 
 from __future__ import annotations
 
+import copy
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 StopReason = Literal["stop", "length", "aborted"]
@@ -34,9 +35,19 @@ class SamplingParams:
     seed: int | None = None
 
     def replace(self, **changes: Any) -> SamplingParams:
-        data = asdict(self)
-        data.update(changes)
-        return SamplingParams(**data)
+        # a shallow copy with its own stop list (``asdict`` deep-copies through every field:
+        # a hot path, once per generate call)
+        out = copy.copy(self)
+        for k, v in changes.items():
+            if k not in _SAMPLING_FIELDS:
+                raise TypeError(f"SamplingParams.replace: unknown field {k!r}")
+            setattr(out, k, v)
+        if "stop_token_ids" not in changes:
+            out.stop_token_ids = list(self.stop_token_ids)
+        return out
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
 @dataclass

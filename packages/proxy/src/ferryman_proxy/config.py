@@ -21,6 +21,12 @@ class ProxyConfig(Strict):
     host: str = "127.0.0.1"
     """Interface to listen on. Loopback by default: sandboxes reach it through a port forward
     or a shared network namespace. Set ``0.0.0.0`` only on a trusted network."""
+    advertise_host: str | None = None
+    """The address put in each session's ``base_url`` (what a sandbox connects to). ``null``:
+    ``host`` itself, or, when ``host`` is a wildcard (``0.0.0.0``, ``::``), this node's address
+    as Ray sees it (``127.0.0.1`` outside Ray). On a cluster, sandboxes on other nodes need
+    ``host: 0.0.0.0`` (or this node's address); the session secret in the URL still guards every
+    session."""
     port: int = Field(0, ge=0, le=65535)
     """TCP port; 0 picks a free one (``ProxyServer.url`` tells which)."""
     model_name: str = Field("ferryman-policy", min_length=1)
@@ -75,4 +81,11 @@ class ProxyConfig(Strict):
     def _host_not_empty(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("must be an interface address such as 127.0.0.1")
+        return v
+
+    @field_validator("advertise_host")
+    @classmethod
+    def _advertise_not_wildcard(cls, v: str | None) -> str | None:
+        if v is not None and v.strip() in ("", "0.0.0.0", "::"):
+            raise ValueError(f"{v!r} is not an address a sandbox can connect to; give this node's address or null")
         return v

@@ -107,6 +107,27 @@ def _decompress(raw: bytes, encoding: str, limit: int) -> bytes:
     raise bad_request(f"the request body is not valid {enc} data (Content-Encoding: {encoding})")
 
 
+def advertised_host(host: str, advertise: str | None = None) -> str:
+    """The address sessions' URLs name: ``advertise`` if given; ``host`` unless it is a
+    wildcard; else this node's address as Ray sees it (so sandboxes on other nodes of a
+    cluster reach it), or loopback outside Ray."""
+    if advertise:
+        return advertise
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    import sys
+
+    if "ray" in sys.modules:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                return str(ray.util.get_node_ip_address())
+        except Exception:  # noqa: BLE001 - fall back to loopback
+            pass
+    return "127.0.0.1"
+
+
 class ProxyServer:
     """An OpenAI-compatible endpoint on the running event loop, one session per agent run.
 
@@ -161,9 +182,7 @@ class ProxyServer:
         self._runner = runner
         sockets = site._server.sockets if site._server is not None else []  # noqa: SLF001 - the bound port
         port = sockets[0].getsockname()[1] if sockets else self.config.port
-        host = self.config.host
-        if host in ("0.0.0.0", "::", ""):
-            host = "127.0.0.1"
+        host = advertised_host(self.config.host, self.config.advertise_host)
         if ":" in host:
             host = f"[{host}]"
         self.url = f"http://{host}:{port}"

@@ -553,6 +553,7 @@ class BoardStickyRouter(StickyRouter):
             m = sum(view.get(name, 0) for view in recent) / n if n else 0.0
             mean[name] = m
             rep.remote = m + w * (remote.get(name, 0) - m)
+        self._rebuild_heap()  # every load changed: one heapify, not a push per replica
 
     def _overloaded(self, cur: _Replica, healthy: list[_Replica]) -> bool:
         """As :meth:`StickyRouter._overloaded`, with the other processes' load averaged over the

@@ -26,6 +26,7 @@ actor for several processes.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import itertools
 import math
 import time
@@ -39,7 +40,7 @@ __all__ = ["NoReplicaError", "StickyRouter"]
 
 
 class _Replica:
-    __slots__ = ("active", "hash_key", "healthy", "in_flight", "last_pick", "last_progress", "name", "remote", "until")
+    __slots__ = ("active", "hash_key", "healthy", "in_flight", "last_pick", "last_progress", "name", "order", "remote", "until")
 
     def __init__(self, name: str, hash_key: bytes) -> None:
         self.name = name
@@ -53,6 +54,8 @@ class _Replica:
         self.active: dict[str, int] = {}
         """request id → requests of it in flight here."""
         self.last_pick = -1
+        self.order = 0
+        """Position among the replicas (the last tie-break: the first added wins)."""
         """Tie-break stamp: increases each time a replica gets a new session; lowest wins a tie."""
         self.healthy = True
         self.until = 0.0
@@ -123,6 +126,12 @@ class StickyRouter:
         self._next_readmit = math.inf
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._stamp = itertools.count()
+        self._order = itertools.count()
+        self._heap: list[tuple[float, int, int, _Replica]] = []
+        """Lazy min-heap of ``(load, last_pick, order, replica)`` over the healthy replicas: an
+        entry is current while its load and stamp are the replica's; stale ones are dropped
+        when they reach the top. The least loaded replica and the lowest load cost O(log n)
+        instead of a pass over the fleet (per new session, and per sticky turn for rebalancing)."""
 
         self.decisions = 0
         self.sticky_hits = 0
@@ -150,6 +159,7 @@ class StickyRouter:
     def _add(self, name: str) -> _Replica:
         key = hashlib.blake2b(f"{self.seed}/{name}".encode(), digest_size=32).digest()
         rep = _Replica(name, key)
+        rep.order = next(self._order)
         rep.last_progress = self._clock() if self.stall_timeout_s is not None else 0.0
         self._replicas[name] = rep
         self._rebuild_healthy()
@@ -157,6 +167,31 @@ class StickyRouter:
 
     def _rebuild_healthy(self) -> None:
         self._healthy = [r for r in self._replicas.values() if r.healthy]
+        self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        """After the healthy set or many loads changed at once (a counts-board view)."""
+        self._heap = [(r.in_flight + r.remote, r.last_pick, r.order, r) for r in self._healthy]
+        heapq.heapify(self._heap)
+
+    def _push(self, rep: _Replica) -> None:
+        """``rep``'s load or stamp changed."""
+        if rep.healthy:
+            heap = self._heap
+            heapq.heappush(heap, (rep.in_flight + rep.remote, rep.last_pick, rep.order, rep))
+            if len(heap) > 4 * len(self._healthy) + 64:  # stale entries: O(1) amortised
+                self._rebuild_heap()
+
+    def _top(self) -> _Replica | None:
+        """The least loaded healthy replica (ties: the least recently picked, then the first)."""
+        heap = self._heap
+        replicas = self._replicas
+        while heap:
+            load, stamp, _, rep = heap[0]
+            if rep.healthy and stamp == rep.last_pick and load == rep.in_flight + rep.remote and replicas.get(rep.name) is rep:
+                return rep
+            heapq.heappop(heap)
+        return None
 
     def _quarantine(self, rep: _Replica, reason: str) -> None:
         now = self._clock()
@@ -215,6 +250,10 @@ class StickyRouter:
 
     # ------------------------------------------------------------------ decisions
     def _least_loaded(self, healthy: list[_Replica]) -> _Replica:
+        if healthy is self._healthy:
+            top = self._top()
+            if top is not None:
+                return top
         best = healthy[0]
         low = best.in_flight + best.remote
         for rep in healthy:
@@ -280,6 +319,7 @@ class StickyRouter:
         if self.stall_timeout_s is not None:
             rep = self._avoid_stalled(request_id, rep)
         rep.in_flight += 1
+        self._push(rep)
         active = rep.active
         active[request_id] = active.get(request_id, 0) + 1
         return rep.name
@@ -287,11 +327,17 @@ class StickyRouter:
     def _pick_new(self, healthy: list[_Replica]) -> _Replica:
         rep = self._least_loaded(healthy)
         rep.last_pick = next(self._stamp)
-        return rep
+        return rep  # pushed with its new load by the caller
+
+    def _lowest_load(self, healthy: list[_Replica]) -> float:
+        top = self._top() if healthy is self._healthy else None
+        return top.in_flight + top.remote if top is not None else min(r.in_flight + r.remote for r in healthy)
 
     def _overloaded(self, cur: _Replica, healthy: list[_Replica]) -> bool:
         load = cur.in_flight + cur.remote
-        low = min(r.in_flight + r.remote for r in healthy)
+        if load < self.rebalance_min_gap:
+            return False
+        low = self._lowest_load(healthy)
         return load - low >= self.rebalance_min_gap and (load + 1) > self.rebalance_threshold * (low + 1)
 
     def _avoid_stalled(self, request_id: str, rep: _Replica) -> _Replica:
@@ -324,6 +370,7 @@ class StickyRouter:
         else:
             rep.active[request_id] = n - 1
         rep.in_flight -= 1
+        self._push(rep)
         if self.stall_timeout_s is not None:
             rep.last_progress = self._clock()
 

@@ -106,7 +106,8 @@ class RayFSDPGroup:
         self.config = config
         self.world_size = n
         self.rank = 0
-        bundles = [{"CPU": float(config.num_cpus_per_worker), **({"GPU": gpus} if gpus > 0 else {})} for _ in range(n)]
+        custom = {k: float(v) for k, v in getattr(config, "worker_resources", {}).items()}
+        bundles = [{"CPU": float(config.num_cpus_per_worker), **({"GPU": gpus} if gpus > 0 else {}), **custom} for _ in range(n)]
         self._pg = placement_group(bundles, strategy=config.placement_strategy)
         self._remove_pg = remove_placement_group
         self.workers: list[Any] = []
@@ -126,6 +127,7 @@ class RayFSDPGroup:
                     actor_cls.options(
                         num_cpus=config.num_cpus_per_worker,
                         num_gpus=gpus,
+                        **({"resources": custom} if custom else {}),
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             placement_group=self._pg, placement_group_bundle_index=rank
                         ),

@@ -122,7 +122,10 @@ class FSDPTrainerConfig(PluginConfig):
     num_gpus_per_worker: float = Field(0.0, ge=0)
     """GPUs reserved for each rank's bundle; 0 with ``device: cuda`` means 1."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    """Ray placement-group strategy of the rank bundles."""
+    """Ray placement-group strategy of the rank bundles (``PACK``: ranks packed per node)."""
+    worker_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources in each rank's bundle, e.g. ``{trainer_node: 1}`` (nodes started
+    with ``ray start --resources``); ``accelerator_type:H100: 0.001`` selects a GPU type."""
     placement_timeout_s: float = Field(300.0, gt=0)
     """How long to wait for Ray to place the bundles before failing with the cluster's resources."""
     num_threads: int | None = Field(None, ge=1)

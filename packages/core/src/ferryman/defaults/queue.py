@@ -104,7 +104,13 @@ class RayQueue:
         import ray
 
         self.maxsize = maxsize
-        self._actor = actor or ray.remote(num_cpus=0, max_concurrency=1000)(MessageQueue).remote(maxsize, trace_to)
+        if actor is None:
+            from ferryman.cluster import control_actor_options
+
+            # on the driver's node when the runner asks for it (ray.control_on_driver_node)
+            opts = {"num_cpus": 0, "max_concurrency": 1000, **control_actor_options()}
+            actor = ray.remote(**opts)(MessageQueue).remote(maxsize, trace_to)
+        self._actor = actor
 
     async def put(self, sample: Sample) -> bool:
         return await self._actor.put.remote(sample)

@@ -6,6 +6,7 @@ It lives in the process that generates (the Rollouter), so a decision is a dict 
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import OrderedDict
 from typing import Any, Literal
@@ -37,6 +38,11 @@ class LocalRouter:
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._tiebreak = itertools.count()
         self._order: dict[str, int] = {}
+        self._index = {r: i for i, r in enumerate(replicas)}
+        self._heap: list[tuple[int, int, int, str]] = []
+        """Lazy min-heap of ``(in_flight, last chosen, index, replica)``: the least loaded
+        healthy replica in O(log n) (stale entries are dropped when they reach the top)."""
+        self._rebuild()
         self.sticky_hits = 0
         self.decisions = 0
 
@@ -47,9 +53,31 @@ class LocalRouter:
     def _healthy(self) -> list[str]:
         return [r for r in self.in_flight if r not in self.failed]
 
+    def _entry(self, r: str) -> tuple[int, int, int, str]:
+        return (self.in_flight[r], self._order.get(r, -1), self._index.setdefault(r, len(self._index)), r)
+
+    def _rebuild(self) -> None:
+        self._heap = [self._entry(r) for r in self._healthy()]
+        heapq.heapify(self._heap)
+
+    def _push(self, r: str) -> None:
+        if r not in self.failed and r in self.in_flight:
+            heapq.heappush(self._heap, self._entry(r))
+            if len(self._heap) > 4 * len(self.in_flight) + 64:
+                self._rebuild()
+
+    def _least_loaded(self) -> str:
+        """Least in flight; ties go to the replica chosen least recently (then the first)."""
+        heap = self._heap
+        while heap:
+            load, stamp, _, r = heap[0]
+            if r in self.in_flight and r not in self.failed and load == self.in_flight[r] and stamp == self._order.get(r, -1):
+                return r
+            heapq.heappop(heap)
+        raise NoReplicaError("no healthy engine replica left")
+
     async def acquire(self, request_id: str) -> str:
-        healthy = self._healthy()
-        if not healthy:
+        if len(self.failed) >= len(self.in_flight):
             raise NoReplicaError("no healthy engine replica left")
         self.decisions += 1
         replica = self._sticky.get(request_id)
@@ -57,23 +85,25 @@ class LocalRouter:
             self._sticky.move_to_end(request_id)
             self.sticky_hits += 1
         else:
-            # least in flight; ties go to the replica that was chosen least recently
-            replica = min(healthy, key=lambda r: (self.in_flight[r], self._order.get(r, -1)))
+            replica = self._least_loaded()
             self._order[replica] = next(self._tiebreak)
             self._sticky[request_id] = replica
             self._sticky.move_to_end(request_id)
             while len(self._sticky) > self.capacity:
                 self._sticky.popitem(last=False)
         self.in_flight[replica] += 1
+        self._push(replica)
         return replica
 
     async def release(self, request_id: str, replica: str) -> None:
         if self.in_flight.get(replica, 0) > 0:
             self.in_flight[replica] -= 1
+            self._push(replica)
 
     async def add_replica(self, replica: str) -> None:
         self.in_flight.setdefault(replica, 0)
         self.failed.discard(replica)
+        self._push(replica)
 
     async def remove_replica(self, replica: str) -> None:
         self.in_flight.pop(replica, None)
