@@ -151,3 +151,26 @@ def test_config_errors_name_the_field(tmp_path, data):
         load_config(None, ["env.type=dataset", f"env.path={tmp_path / 'missing.jsonl'}"], host)
     _, plugin = load_config(None, [*base, f"env.tools=[{CALC}]"], host)
     assert plugin["env"].tools == [CALC]
+
+
+async def test_a_tool_run_replays_from_its_record(env, client):
+    """resumable: a run is a function of its row and the model's outputs, so a resumed run that
+    replays the recorded outputs rebuilds the same trajectory without calling the engine."""
+    from ferryman.replay import RunRecorder
+
+    rec = RunRecorder(client)
+    rec.begin("r-9")
+    (first,) = await env.run(env.get_task(0), "r-9", rec, SamplingParams(max_tokens=64))
+    log = rec.runs["r-9"].log
+    rec.end("r-9")
+
+    class NoEngine:
+        async def generate(self, *a, **k):
+            raise AssertionError("a replayed run must not call the engine")
+
+    again = RunRecorder(NoEngine())
+    again.begin("r-9", log)
+    (second,) = await env.run(env.get_task(0), "r-9", again, SamplingParams(max_tokens=64))
+    assert again.replayed_calls == 2 and again.diverged_runs == 0
+    assert (second.prompt_ids, second.response_ids, second.response_mask, second.rollout_log_probs) == (
+        first.prompt_ids, first.response_ids, first.response_mask, first.rollout_log_probs)
