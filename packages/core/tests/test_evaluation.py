@@ -83,3 +83,5 @@ def test_validation_config_errors_name_the_field(host):
         load_config(None, [*BASE, "validation.env={num_tasks: 0}"], host)
     cfg, plugin = load_config(None, [*BASE, "validation.env={num_tasks: 3}", "validation.every_steps=5"], host)
     assert cfg.validation.enabled and plugin["validation_env"].num_tasks == 3
+    cfg, plugin = load_config(None, [*BASE, "validation.tasks={num_tasks: 4}"], host)  # the other spelling
+    assert cfg.validation.env == {"num_tasks": 4} and plugin["validation_env"].num_tasks == 4

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 if TYPE_CHECKING:  # pragma: no cover
     from ferryman.plugins import PluginHost
@@ -199,10 +199,10 @@ class ValidationConfig(Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
     """Per generation (default: ``rollout.max_tokens``)."""
-    env: dict[str, Any] | None = None
-    """The held-out tasks: fields that replace the ``env`` section's (e.g. ``{path: val.jsonl}``
-    for the dataset env, ``{num_tasks: 50}`` for digits); the validation env is built from the
-    merged section with seed ``seed + 1``."""
+    env: dict[str, Any] | None = Field(None, validation_alias=AliasChoices("env", "tasks"))
+    """The held-out tasks (also spelled ``tasks``): fields that replace the ``env`` section's
+    (e.g. ``{path: val.jsonl}`` for the dataset env, ``{num_tasks: 50}`` for digits); the
+    validation env is built from the merged section with seed ``seed + 1``."""
     split: float | None = Field(None, gt=0.0, lt=1.0)
     """Or: hold out this share of the env's tasks (the last ones) from training and validate on
     them."""
