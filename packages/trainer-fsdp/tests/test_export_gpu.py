@@ -58,13 +58,19 @@ def test_vllm_serves_the_export_with_the_trainers_log_probs(tmp_path):
     rows = [[int(t) for t, m in zip(ids, mask) if m] for ids, mask in zip(batch.input_ids, batch.attention_mask)]
     llm = LLM(model=str(tmp_path / "hf"), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=256)
     got = _prompt_log_probs(llm, rows)
-    base = LLM(model=model, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=256)
-    untrained = _prompt_log_probs(base, rows)
+    # the untrained base (transformers, CPU): the check must tell it from the trained model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = base(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
+    untrained = torch.zeros_like(trained)
+    untrained[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     worst = worst_base = 0.0
     for i, row in enumerate(rows):
-        ref = trained[i, : len(row)].tolist()  # left-aligned rows: the unpadded prefix
+        ref = trained[i, : len(row)].tolist()  # right-padded rows: the unpadded prefix
         worst = max(worst, max(abs(a - b) for a, b in zip(got[i], ref)))
-        worst_base = max(worst_base, max(abs(a - b) for a, b in zip(untrained[i], ref)))
+        worst_base = max(worst_base, max(abs(a - b) for a, b in zip(untrained[i, : len(row)].tolist(), ref)))
     print(f"vLLM vs trainer: max |d log-prob| {worst:.2e}; untrained base vs trainer {worst_base:.2e}")
     assert worst <= REF_ATOL
     assert worst_base > 10 * REF_ATOL, "the check must tell the trained model from the base"
