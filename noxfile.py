@@ -22,6 +22,8 @@ PACKAGES = {
     "router": "packages/router",
     "sync_nccl": "packages/sync-nccl",
     "proxy": "packages/proxy",
+    # its CPU tests run over a named fake core: vLLM (the package's `vllm` extra) is not installed
+    "engine_vllm": "packages/engine-vllm",
 }
 EXTRAS = {"proxy": "[test]"}
 """Extras a package's own tests need (installed with it in its session and in integration)."""
@@ -50,14 +52,6 @@ for _name, _path in PACKAGES.items():
     globals()[_name] = _plugin_session(_name, _path)
 
 
-@nox.session(name="engine_vllm", python=PY)
-def engine_vllm(session: nox.Session) -> None:
-    """packages/engine-vllm's CPU tests (its logic over a fake core), without vLLM: the package
-    is installed without its dependencies, since vLLM pins torch and needs a GPU."""
-    session.install("./packages/core[tiny,testing]", *TEST_DEPS)
-    session.install("--no-deps", "./packages/engine-vllm")
-    session.run("ferryman", "plugins")
-    session.run("pytest", "packages/engine-vllm/tests", "-q", *session.posargs)
 @nox.session(name="env_harbor", python=PY)
 def env_harbor(session: nox.Session) -> None:
     """packages/env-harbor with what its tests run on: the proxy, the transformers engine and the

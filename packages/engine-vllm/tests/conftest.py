@@ -1,6 +1,6 @@
-"""The vllm engine plugin is not a member of the uv workspace (vLLM pins torch exactly), so in
-a workspace checkout it is not installed: its source is put on the path for these tests. Where
-the package is installed (its nox session, a GPU machine) the installed copy is used."""
+"""The vllm engine plugin is a workspace member (vLLM itself is its ``vllm`` extra). Where the
+package is not installed (its sources copied to a GPU machine by hand) its source is put on the
+path for these tests; where it is installed, the installed copy is used."""
 
 import sys
 from importlib.util import find_spec

@@ -332,3 +332,39 @@ def test_engine_requires_start():
     engine = VLLMEngine(VLLMEngineConfig(), model_path="/nowhere")
     with pytest.raises(RuntimeError, match="start"):
         asyncio.run(engine.generate("x", [1], SamplingParams()))
+
+
+# ---------------------------------------------------------------------- install
+
+
+def test_workspace_lists_the_plugin_and_validates_without_vllm():
+    """The plugin is a workspace member: found through its entry point, its config validates
+    whether or not vLLM is installed (vLLM is the ``vllm`` extra)."""
+    from ferryman.config import validate_plugin_section
+    from ferryman.plugins import PluginHost
+
+    host = PluginHost()
+    assert "vllm" in host.specs("engine")
+    assert host.owner("engine", "vllm").distribution == "ferryman-engine-vllm"
+    cfg = validate_plugin_section(host, "engine", "engine", {"type": "vllm", "gpu_memory_utilization": 0.3})
+    assert cfg.gpu_memory_utilization == 0.3
+
+
+def test_missing_vllm_is_one_line_naming_the_extra(monkeypatch, model_dir):
+    """Without vLLM, creating the engine (or starting a run that uses it) fails with one
+    line that says how to install it, before anything starts."""
+    import importlib.util
+
+    from ferryman.config import missing_requirements
+    from ferryman.plugins import PluginError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    import ferryman_engine_vllm.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "find_spec", importlib.util.find_spec)
+    lines = missing_requirements({"engine": VLLMEngineConfig(), "trainer": None})
+    assert len(lines) == 1 and "engine.type 'vllm' needs 'vllm'" in lines[0] and "--extra vllm" in lines[0]
+    with pytest.raises(PluginError, match=r"uv sync --extra vllm") as e:
+        make_vllm_engine(VLLMEngineConfig(), model_path=str(model_dir))
+    assert "\n" not in str(e.value)

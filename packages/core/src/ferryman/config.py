@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -31,6 +31,28 @@ class PluginConfig(Strict):
     """Base of every plugin's config class: ``type`` is the registered name."""
 
     type: str
+
+    requires: ClassVar[dict[str, str]] = {}
+    """Modules the implementation needs at run time but its config does not (a GPU stack
+    installed as an extra), each with how to install it. ``ferryman train`` checks them before
+    anything starts (:func:`missing_requirements`); ``ferryman config`` validates without them."""
+
+
+def missing_requirements(plugin_cfgs: dict[str, Any]) -> list[str]:
+    """One line per module that a chosen plugin ``requires`` and this environment lacks."""
+    from importlib.util import find_spec
+
+    out = []
+    chosen = [(section, c) for section, v in plugin_cfgs.items() for c in (v if isinstance(v, (list, tuple)) else [v])]
+    for section, cfg in chosen:
+        for module, how in getattr(type(cfg), "requires", {}).items():
+            try:
+                found = find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                out.append(f"{section}.type {cfg.type!r} needs {module!r}, which is not installed: {how}")
+    return out
 
 
 class ModelConfig(Strict):

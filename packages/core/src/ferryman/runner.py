@@ -29,9 +29,9 @@ from ferryman.checkpoint import (
     read_meta,
 )
 from ferryman.client import ServerClient
-from ferryman.config import ConfigError, RunConfig, validate_plugin_sections
+from ferryman.config import ConfigError, RunConfig, missing_requirements, validate_plugin_sections
 from ferryman.engine_host import EngineHandle, spawn_engine_actors
-from ferryman.plugins import PluginHost
+from ferryman.plugins import PluginError, PluginHost
 from ferryman.rollouter import Rollouter
 from ferryman.sync import Synchronizer
 from ferryman.trainer_loop import Trainer
@@ -513,6 +513,9 @@ def run(cfg: RunConfig, host: PluginHost | None = None, *, resume: str | Path | 
     host = host or PluginHost()
     resume_path, resume_step = _resume_point(cfg, resume)
     plugin_cfgs = validate_plugin_sections(cfg, host)
+    missing = missing_requirements(plugin_cfgs)
+    if missing:
+        raise PluginError("; ".join(missing))
     if cfg.runtime == "ray" and plugin_cfgs["queue"].type == "local":
         raise ConfigError("queue.type: 'local' lives in one process; with runtime 'ray' use 'ray' (allowed: ray)")
     run_dir = Path(cfg.run_dir)

@@ -6,11 +6,14 @@ without a GPU or without vLLM installed.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from ferryman.config import PluginConfig
+
+INSTALL_HINT = "uv sync --extra vllm in a ferryman checkout, or pip install 'ferryman-engine-vllm[vllm]' (Linux x86-64 with an NVIDIA GPU)"
+"""How to install what the engine needs beyond this package."""
 
 WORKER_EXTENSION = "ferryman_engine_vllm.worker.FerrymanWorkerExtension"
 """Mixed into vLLM's GPU worker: gives it the method that loads streamed weight buckets."""
@@ -43,6 +46,8 @@ class VLLMEngineConfig(PluginConfig):
 
     type: Literal["vllm"] = "vllm"
     """Selects this engine."""
+
+    requires: ClassVar[dict[str, str]] = {"vllm": INSTALL_HINT}
     core: Literal["thread", "process"] = "thread"
     """Where vLLM's engine core runs. ``thread``: in this process, stepped by one dedicated
     thread (vLLM's ``LLMEngine`` with its in-process core client); nothing else is started

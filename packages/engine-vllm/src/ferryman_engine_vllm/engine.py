@@ -33,6 +33,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from typing import Any
 
 from ferryman.engine_checks import check_generate_request
@@ -61,6 +62,12 @@ def make_vllm_engine(
     **_: Any,
 ) -> VLLMEngine:
     """Factory registered as the ``vllm`` engine. vLLM starts in :meth:`VLLMEngine.start`."""
+    if core_factory is None and find_spec("vllm") is None:
+        from ferryman.plugins import PluginError
+
+        from ferryman_engine_vllm.config import INSTALL_HINT
+
+        raise PluginError(f"engine.type 'vllm' needs 'vllm', which is not installed: {INSTALL_HINT}")
     return VLLMEngine(config, model_path=model_path, replica=replica, seed=seed, core_factory=core_factory)
 
 
