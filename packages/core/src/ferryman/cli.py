@@ -130,7 +130,9 @@ def _is_run_dir(path: str) -> bool:
 def _cmd_export(args: argparse.Namespace) -> int:
     from ferryman.evaluation.export import export_checkpoint
     from ferryman.plugins import PluginHost
+    from ferryman.runner import quiet_transformers
 
+    quiet_transformers()
     out = export_checkpoint(args.run_dir, args.output, host=PluginHost(), step=args.step, dtype=args.dtype)
     print(f"ferryman: exported step {out['step']} (weight version {out['weight_version']}) of {args.run_dir} to {out['path']}", flush=True)
     print(json.dumps(out, indent=1))
@@ -146,6 +148,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from ferryman.checkpoint import read_meta
     from ferryman.plugins import PluginHost
 
+    from ferryman.runner import quiet_transformers
+
+    quiet_transformers()
     host = PluginHost()
     cfg, plugin_cfgs = load_config(args.config, args.overrides, host)
     model = args.model

@@ -32,7 +32,13 @@ def export_hf(checkpoint_dir: str, *, model_path: str, config: Any, out_dir: str
         raise ValueError(f"dtype: {dtype!r} (allowed: {', '.join(DTYPES)})")
     master = torch.float64 if getattr(config, "param_dtype", "float32") == "float64" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=master)
-    saved = set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    try:
+        saved = set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    except Exception as e:  # noqa: BLE001 - e.g. metadata pickled by another torch version
+        raise ValueError(
+            f"{ckpt}: cannot read the distributed checkpoint's metadata with torch {torch.__version__} "
+            f"({e.__class__.__name__}: {e}); was it written by another torch version?"
+        ) from None
     # the names the backend saved under (actor.model.<parameter name>); a tied parameter may be
     # saved under one name only, and loading it into that name fills both
     params = {}

@@ -63,7 +63,10 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, *, host: Any, st
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        spec.exporter(str(trainer_dir), model_path=cfg.model.path, config=trainer_cfg, out_dir=str(tmp), dtype=dtype)
+        try:
+            spec.exporter(str(trainer_dir), model_path=cfg.model.path, config=trainer_cfg, out_dir=str(tmp), dtype=dtype)
+        except (ValueError, OSError) as e:  # the exporter's clear errors: not a traceback
+            raise CheckpointError(f"export of {ckpt}: {e}") from e
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(cfg.model.path).save_pretrained(tmp)
