@@ -141,3 +141,30 @@ def test_console_line_shows_failed_and_dropped_counts():
     )
     line = out.getvalue()
     assert "reward/mean=0.500" in line and "failed=7" in line and "dropped=2" in line
+
+
+def test_console_line_has_step_of_total_rate_eta_and_a_bar_on_a_terminal(monkeypatch):
+    import io
+
+    from ferryman.defaults import trackers
+
+    clock = iter([100.0, 110.0, 130.0, 140.0])
+    monkeypatch.setattr(trackers.time, "monotonic", lambda: next(clock))
+    out = io.StringIO()
+    t = trackers.ConsoleTracker(["reward/mean"], stream=out, total_steps=10, tty=True)
+    t.log({"reward/mean": 0.5, "perf/samples_per_s_avg": 2.25}, step=2)  # 10 s for 2 steps
+    t.log({"val/pass@1": 0.25, "val/pass@4": 0.5, "val/weight_version": 2.0}, step=2)
+    t.log({"reward/mean": 0.75}, step=10)
+    first, val, last = out.getvalue().splitlines()
+    assert first.startswith("step  2/10  [####----------------]   20.0%")
+    assert "ETA 40s" in first and "2.25 samples/s" in first and "reward/mean=0.500" in first
+    assert val == "validation at step 2 (weights v2): pass@1=0.250  pass@4=0.500"
+    assert "done" in last and "[####################]" in last
+    # not a terminal: no bar; a resumed run's ETA counts only its own steps
+    out = io.StringIO()
+    clock2 = iter([0.0, 30.0])
+    monkeypatch.setattr(trackers.time, "monotonic", lambda: next(clock2))
+    t = trackers.ConsoleTracker([], stream=out, total_steps=100, resume_step=50, tty=False)
+    t.log({}, step=60)  # 10 steps in 30 s, 40 to go
+    line = out.getvalue()
+    assert "[" not in line and "step  60/100" in line and "ETA 2m00s" in line

@@ -24,6 +24,19 @@ torch.set_num_threads(1)
 
 VOCAB = 160
 
+# Two updates that should be equal, compared after AdamW steps: in float32 the answer would
+# depend on the CPU's summation order (AVX2 vs AVX-512 kernels), because Adam divides by
+# sqrt(v) + eps and so turns an absolute gradient error d into up to lr * d / eps of weight
+# change; float32 rounding leaves d ~ 1e-9 on entries whose gradient is a sum of opposite
+# terms, i.e. up to ~1e-4 after a few steps of lr 1e-3. Such tests therefore run the trainer
+# in float64 (param_dtype: float64: master weights, optimizer states and all compute): the
+# gradient errors there are below 1e-14 (unit roundoff 1.1e-16 times at most ~100 terms of
+# magnitude below 1), so 4 AdamW steps of lr 1e-3 move a weight by at most
+# 4 * 1e-3 * 1e-14 / 1e-8 = 4e-9 (measured: 7e-15). SAME_UPDATE_ATOL is that bound with
+# margin, and still 5 orders of magnitude below one step's size (lr = 1e-3).
+FLOAT64 = dict(param_dtype="float64")
+SAME_UPDATE_ATOL = 1e-8
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -131,22 +144,24 @@ def test_grpo_update_moves_log_probs_with_the_advantage_sign(make_trainer):
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
 def test_micro_batching_does_not_change_the_update(make_trainer, agg):
     algorithm = AlgorithmConfig(loss_agg_mode=agg, kl_coef=0.1, entropy_coeff=0.01, clip_ratio_high=0.28)
-    common = dict(lr=1e-3, ppo_epochs=2, algorithm=algorithm)
+    common = dict(lr=1e-3, ppo_epochs=2, algorithm=algorithm, **FLOAT64)
     tiny = make_trainer(micro_batch_max_tokens=8, activation_checkpointing=True, **common)
     huge = make_trainer(micro_batch_max_tokens=1 << 20, **common)
     batch = fill_train_batch(huge, random_train_batch(VOCAB, num_groups=4, group_size=2, seed=3))
     batch.meta["num_mini_batches"] = 2
     assert len(list(batch.micro_batches(max_tokens=8))) >= batch.batch_size - 2  # mostly one row each
+    before = collect_weights(huge)
     m_tiny = tiny.update_actor(batch)
     m_huge = huge.update_actor(batch)
     assert tiny.counters["actor_steps"] == huge.counters["actor_steps"] == 4  # 2 mini × 2 epochs
     w_tiny, w_huge = collect_weights(tiny), collect_weights(huge)
+    assert max(float((w_huge[k] - before[k]).abs().max()) for k in w_huge) > 1e-4  # it moved
     for name in w_huge:
-        # Adam divides by sqrt(v): ulp-level gradient differences on near-zero entries grow to
-        # ~1e-6; 1e-5 is 1% of one step (lr 1e-3)
-        torch.testing.assert_close(w_tiny[name], w_huge[name], rtol=1e-4, atol=1e-5)
+        assert w_huge[name].dtype == torch.float64
+        torch.testing.assert_close(w_tiny[name], w_huge[name], rtol=0, atol=SAME_UPDATE_ATOL)
     for key in m_huge:
-        assert m_tiny[key] == pytest.approx(m_huge[key], rel=1e-4, abs=1e-6), key
+        # float64 metrics: sums of a few dozen terms of magnitude <= 10 agree to ~1e-14
+        assert m_tiny[key] == pytest.approx(m_huge[key], rel=0, abs=1e-10), key
 
 
 def _layer_forward_calls(trainer) -> list[list[int]]:
@@ -165,7 +180,7 @@ def test_selective_checkpointing_recomputes_only_the_first_layers(make_trainer, 
     """``checkpoint_layers: N`` recomputes the first N decoder layers in backward (their forward
     runs twice per micro-batch) and leaves the others alone, and the update is the same as with
     no checkpointing at all."""
-    common = dict(lr=1e-3, micro_batch_max_tokens=1 << 20)
+    common = dict(lr=1e-3, micro_batch_max_tokens=1 << 20, **FLOAT64)
     selective = make_trainer(activation_checkpointing=True, checkpoint_layers=count, **common)
     plain = make_trainer(**common)
     batch = fill_train_batch(plain, random_train_batch(VOCAB, num_groups=2, group_size=2, seed=5))
@@ -177,8 +192,8 @@ def test_selective_checkpointing_recomputes_only_the_first_layers(make_trainer, 
     assert [c[0] for c in calls] == [2 if i < count else 1 for i in range(2)]
     w_sel, w_plain = collect_weights(selective), collect_weights(plain)
     for name in w_plain:
-        torch.testing.assert_close(w_sel[name], w_plain[name], rtol=1e-4, atol=1e-5)
-    assert m_sel["actor/pg_loss"] == pytest.approx(m_plain["actor/pg_loss"], rel=1e-5, abs=1e-7)
+        torch.testing.assert_close(w_sel[name], w_plain[name], rtol=0, atol=SAME_UPDATE_ATOL)
+    assert m_sel["actor/pg_loss"] == pytest.approx(m_plain["actor/pg_loss"], rel=0, abs=1e-12)
 
 
 def test_checkpoint_layers_beyond_the_model_is_an_error(make_trainer):
@@ -192,7 +207,7 @@ def test_micro_batching_with_split_runs_does_not_change_the_update(make_trainer)
     """Rows of one agent run (segments) count as one sequence in the seq-mean modes, also when
     micro-batching puts them apart."""
     algorithm = AlgorithmConfig(loss_agg_mode="seq-mean-token-mean", kl_coef=0.1, entropy_coeff=0.01)
-    common = dict(lr=1e-3, ppo_epochs=1, algorithm=algorithm)
+    common = dict(lr=1e-3, ppo_epochs=1, algorithm=algorithm, **FLOAT64)
     tiny = make_trainer(micro_batch_max_tokens=8, **common)
     huge = make_trainer(micro_batch_max_tokens=1 << 20, **common)
     batch = fill_train_batch(huge, random_train_batch(VOCAB, num_groups=2, group_size=3, seed=4))
@@ -204,8 +219,8 @@ def test_micro_batching_with_split_runs_does_not_change_the_update(make_trainer)
     m_huge = huge.update_actor(batch)
     w_tiny, w_huge = collect_weights(tiny), collect_weights(huge)
     for name in w_huge:
-        torch.testing.assert_close(w_tiny[name], w_huge[name], rtol=1e-4, atol=1e-5)
-    assert m_tiny["actor/pg_loss"] == pytest.approx(m_huge["actor/pg_loss"], rel=1e-4, abs=1e-6)
+        torch.testing.assert_close(w_tiny[name], w_huge[name], rtol=0, atol=SAME_UPDATE_ATOL)
+    assert m_tiny["actor/pg_loss"] == pytest.approx(m_huge["actor/pg_loss"], rel=0, abs=1e-12)
     # and the runs matter: without them the loss is a mean over rows
     plain = make_trainer(micro_batch_max_tokens=1 << 20, **common).update_actor(replace(batch, run_index=None, run_tokens=None))
     assert plain["actor/pg_loss"] != pytest.approx(m_huge["actor/pg_loss"], rel=1e-3)

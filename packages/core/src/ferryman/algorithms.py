@@ -167,7 +167,8 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, run_tokens: 
 
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(logits)[b, t, labels[b, t]]`` as a ``[B, T]`` float32 tensor.
+    """``log_softmax(logits)[b, t, labels[b, t]]`` as a ``[B, T]`` float32 tensor (float64 for
+    float64 logits).
 
     No shifting happens here: ``logits[:, t]`` must already be the distribution that
     ``labels[:, t]`` was drawn from. With a causal LM whose output at position ``t`` predicts
@@ -177,25 +178,31 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     Computed as ``logits[label] - logsumexp(logits)`` in float32, which is stable and avoids
     materialising a second ``[B, T, V]`` log-softmax tensor.
     """
-    lf = logits.float()
+    lf = logits.to(_work_dtype(logits))
     picked = lf.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(lf, dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of ``softmax(logits)`` along the last axis: ``[B, T, V] -> [B, T]`` (float32).
+    """Entropy of ``softmax(logits)`` along the last axis: ``[B, T, V] -> [B, T]`` (float32;
+    float64 for float64 logits).
 
     ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``, which never takes the log of a
     (possibly underflowed) probability and so stays finite for very peaked or huge logits;
     ``-inf`` logits (banned tokens) contribute 0.
     """
-    lf = logits.float()
+    lf = logits.to(_work_dtype(logits))
     lse = torch.logsumexp(lf, dim=-1)
     probs = torch.softmax(lf, dim=-1)
     # 0 * -inf would be nan: tokens with zero probability (e.g. -inf-masked logits) add nothing
     zero = torch.zeros((), dtype=lf.dtype, device=lf.device)
     p_times_z = torch.where(probs > 0, probs * lf, zero)
     return lse - p_times_z.sum(dim=-1)
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32, or the tensor's own dtype when it is wider (float64 stays float64)."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _row_chunks(shape: torch.Size, chunk_tokens: int):
@@ -209,17 +216,17 @@ def _row_chunks(shape: torch.Size, chunk_tokens: int):
 
 
 class _LeanLogProbs(torch.autograd.Function):
-    """``log_softmax(logits)[label]`` computed ``chunk_tokens`` positions at a time in float32,
-    saving only the input logits (in their own dtype) and one float32 log-sum-exp per position
+    """``log_softmax(logits)[label]`` computed ``chunk_tokens`` positions at a time in float32
+    (float64 for float64 logits), saving only the input logits (in their own dtype) and one float32 log-sum-exp per position
     for the backward, which recomputes the softmax chunk by chunk: the float32 ``[B, T, V]``
     copies of the plain formula are never made."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-        out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
+        out = torch.empty(labels.shape, dtype=_work_dtype(logits), device=logits.device)
         lse_all = torch.empty_like(out)
         for b, s, e in _row_chunks(logits.shape, chunk_tokens):
-            lf = logits[b, s:e].float()
+            lf = logits[b, s:e].to(out.dtype)
             lse = torch.logsumexp(lf, dim=-1)
             picked = lf.gather(-1, labels[b, s:e].long().unsqueeze(-1)).squeeze(-1)
             out[b, s:e] = picked - lse
@@ -232,11 +239,11 @@ class _LeanLogProbs(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         logits, labels, lse_all = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        grad_out = grad_out.float()
+        grad_out = grad_out.to(lse_all.dtype)
         for b, s, e in _row_chunks(logits.shape, ctx.chunk_tokens):
             g = grad_out[b, s:e]
             # d(picked - lse)/dz = onehot(label) - softmax(z)
-            chunk = torch.exp(logits[b, s:e].float() - lse_all[b, s:e].unsqueeze(-1))
+            chunk = torch.exp(logits[b, s:e].to(lse_all.dtype) - lse_all[b, s:e].unsqueeze(-1))
             chunk.mul_(g.unsqueeze(-1).neg())
             chunk.scatter_add_(-1, labels[b, s:e].long().unsqueeze(-1), g.unsqueeze(-1))
             grad[b, s:e] = chunk.to(grad.dtype)
@@ -270,7 +277,7 @@ def lean_entropy_from_logits(logits: torch.Tensor, chunk_tokens: int = 1024) -> 
     plain function)."""
     if logits.dim() != 3:
         raise ValueError(f"lean_entropy_from_logits: logits must be [B, T, V], got {tuple(logits.shape)}")
-    out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+    out = torch.empty(logits.shape[:2], dtype=_work_dtype(logits), device=logits.device)
     for b, s, e in _row_chunks(logits.shape, max(1, int(chunk_tokens))):
         out[b, s:e] = entropy_from_logits(logits[b, s:e])
     return out

@@ -1,4 +1,5 @@
-"""``ferryman`` command line: ``train``, ``plugins``, ``config``, ``tiny-model``, ``timeline``."""
+"""``ferryman`` command line: ``train``, ``eval``, ``export``, ``plugins``, ``config``,
+``tiny-model``, ``timeline``."""
 
 from __future__ import annotations
 
@@ -80,6 +81,32 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def where_things_go(cfg: Any) -> str:
+    """The lines ``ferryman train`` starts with: where metrics, trace, checkpoints and exports go."""
+    from pathlib import Path
+
+    run = Path(cfg.run_dir)
+    metrics = [str(run / t.get("filename", "metrics.jsonl")) if t.get("type") == "jsonl" else
+               str(run / t.get("subdir", "tensorboard")) + " (tensorboard)" if t.get("type") == "tensorboard" else
+               f"{t.get('type')}" for t in cfg.trackers]
+    ck = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run / "checkpoints"
+    every = cfg.checkpoint.every_steps
+    when = f"every {every} steps" if every else "on SIGTERM only"
+    val = cfg.validation
+    lines = [
+        f"  metrics:     {', '.join(metrics) or 'nowhere (no tracker)'}",
+        f"  trace:       {run / 'trace'}/ (ferryman timeline {run})" if cfg.trace.level != "off" else "  trace:       off",
+        f"  checkpoints: {ck}/step-N/ ({when}; resume: ferryman train --resume {run})",
+        f"  exports:     ferryman export {run} [--step N] -o {run / 'exports' / 'step-N'}",
+    ]
+    if val.enabled:
+        lines.append(
+            f"  validation:  {'before training, ' if val.before_train else ''}"
+            f"{f'every {val.every_steps} steps' if val.every_steps else 'not during training'} (val/* metrics)"
+        )
+    return "\n".join(lines)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from ferryman.runner import EXIT_STOPPED, run
 
@@ -91,6 +118,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         f"max_concurrent {f['max_concurrent_samples']}, run_dir {cfg.run_dir}",
         flush=True,
     )
+    print(where_things_go(cfg), flush=True)
     summary = run(cfg, host, resume=args.resume)
     steps = summary.get("steps") or []
     if args.resume is not None and not summary.get("resumed"):
@@ -103,6 +131,59 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"ferryman: stopped at step {len(steps)} on request; checkpoint {where}; continue with: ferryman train --resume {cfg.run_dir}", flush=True)
         return EXIT_STOPPED
     print(f"ferryman: finished {len(steps)} steps in {summary.get('wall_s', 0):.1f}s; metrics in {cfg.run_dir}/metrics.jsonl", flush=True)
+    return 0
+
+
+def _is_run_dir(path: str) -> bool:
+    from pathlib import Path
+
+    return (Path(path) / "config.yaml").is_file() and not (Path(path) / "config.json").is_file()
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from ferryman.evaluation.export import export_checkpoint
+    from ferryman.plugins import PluginHost
+    from ferryman.runner import quiet_transformers
+
+    quiet_transformers()
+    out = export_checkpoint(args.run_dir, args.output, host=PluginHost(), step=args.step, dtype=args.dtype)
+    print(f"ferryman: exported step {out['step']} (weight version {out['weight_version']}) of {args.run_dir} to {out['path']}", flush=True)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ferryman.config import load_config
+    from ferryman.evaluation.export import export_checkpoint, find_step_checkpoint, run_config
+    from ferryman.evaluation.offline import evaluate_model, format_table
+    from ferryman.checkpoint import read_meta
+    from ferryman.plugins import PluginHost
+
+    from ferryman.runner import quiet_transformers
+
+    quiet_transformers()
+    host = PluginHost()
+    cfg, plugin_cfgs = load_config(args.config, args.overrides, host)
+    model = args.model
+    if _is_run_dir(model):  # a run: export the checkpoint (once) to RUN_DIR/exports/step-N
+        run_cfg, _ = run_config(model, host)
+        step = int(read_meta(find_step_checkpoint(run_cfg, args.step))["step"])
+        target = Path(model) / "exports" / f"step-{step}"
+        if not (target / "config.json").is_file():
+            export_checkpoint(model, target, host=host, step=step)
+            print(f"ferryman: exported step {step} of {model} to {target}", flush=True)
+        model = str(target)
+    elif args.step is not None:
+        print("ferryman: error: --step needs a run directory", file=sys.stderr)
+        return 2
+    result = evaluate_model(model, cfg, host, plugin_cfgs)
+    print(format_table(result, cfg.validation.n, model))
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": model, "config": args.config, "n": cfg.validation.n, "metrics": result.metrics, "tasks": result.tasks}, indent=1))
+    print(f"ferryman: results in {out}", flush=True)
     return 0
 
 
@@ -196,6 +277,21 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("config", help="YAML config file")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. async_training.staleness_threshold=0.5")
         sp.set_defaults(func=func)
+
+    sp = sub.add_parser("eval", help="evaluate a model directory or a run's checkpoint on a config's validation tasks, without training")
+    sp.add_argument("model", metavar="MODEL_DIR|RUN_DIR", help="a Hugging Face model directory, or a run directory (its checkpoint is exported first)")
+    sp.add_argument("config", help="YAML config: env, engine, router and the validation section (tasks, n, temperature, max_tokens)")
+    sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. validation.n=8")
+    sp.add_argument("--step", type=int, help="with a RUN_DIR: the checkpoint of this step (default: the newest)")
+    sp.add_argument("-o", "--output", default="eval.json", help="JSON results (default eval.json)")
+    sp.set_defaults(func=_cmd_eval)
+
+    sp = sub.add_parser("export", help="write a run checkpoint's policy as a Hugging Face model directory")
+    sp.add_argument("run_dir", metavar="RUN_DIR")
+    sp.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
+    sp.add_argument("-o", "--output", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
+    sp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as trained, float32)")
+    sp.set_defaults(func=_cmd_export)
 
     sp = sub.add_parser("tiny-model", help="build a tiny Qwen-style model directory")
     sp.add_argument("path")

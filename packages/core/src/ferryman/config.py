@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 if TYPE_CHECKING:  # pragma: no cover
     from ferryman.plugins import PluginHost
@@ -353,6 +353,46 @@ class RayConfig(Strict):
         return v
 
 
+class ValidationConfig(Strict):
+    """Evaluation on held-out tasks during training (and for ``ferryman eval``), through the same
+    engines and env; never queued, never trained on, outside the staleness quota."""
+
+    every_steps: int = Field(0, ge=0)
+    """Validate after every this many trainer steps (0: never during training)."""
+    before_train: bool = False
+    """Also validate before the first step (at weight version 0; not after a resume)."""
+    n: int = Field(1, ge=1)
+    """Answers per task: pass@1 is their mean success, pass@n the chance that one of n passes."""
+    temperature: float | None = Field(None, ge=0.0)
+    """Sampling temperature (default: ``rollout.temperature``)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    """Per generation (default: ``rollout.max_tokens``)."""
+    env: dict[str, Any] | None = Field(None, validation_alias=AliasChoices("env", "tasks"))
+    """The held-out tasks (also spelled ``tasks``): fields that replace the ``env`` section's
+    (e.g. ``{path: val.jsonl}`` for the dataset env, ``{num_tasks: 50}`` for digits); the
+    validation env is built from the merged section with seed ``seed + 1``."""
+    split: float | None = Field(None, gt=0.0, lt=1.0)
+    """Or: hold out this share of the env's tasks (the last ones) from training and validate on
+    them."""
+    num_tasks: int | None = Field(None, ge=1)
+    """Validate on at most this many tasks (the first ones)."""
+    success_threshold: float = 1.0
+    """A run passes when its reward is at least this."""
+    concurrency: int = Field(64, ge=1)
+    """Validation runs in flight at once."""
+
+    @model_validator(mode="after")
+    def one_task_source(self) -> ValidationConfig:
+        if self.env is not None and self.split is not None:
+            raise ValueError("validation: give env (held-out tasks) or split (a share of the env's tasks), not both")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps > 0 or self.before_train
+
+
 class RunConfig(Strict):
     """The whole run."""
 
@@ -364,6 +404,8 @@ class RunConfig(Strict):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     training: TrainerLoopConfig = Field(default_factory=TrainerLoopConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    """Evaluation on held-out tasks (see :mod:`ferryman.evaluation`)."""
     env: dict[str, Any] = Field(default_factory=lambda: {"type": "digits"})
     engine: dict[str, Any] = Field(default_factory=lambda: {"type": "hf"})
     trainer: dict[str, Any] = Field(default_factory=lambda: {"type": "fsdp"})
@@ -623,4 +665,6 @@ def validate_plugin_sections(cfg: RunConfig, host: PluginHost) -> dict[str, Any]
     out["trackers"] = [
         validate_plugin_section(host, "tracker", f"trackers.{i}", t) for i, t in enumerate(cfg.trackers)
     ]
+    if cfg.validation.env is not None:
+        out["validation_env"] = validate_plugin_section(host, "env", "validation.env", {**cfg.env, **cfg.validation.env})
     return out

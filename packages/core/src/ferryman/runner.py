@@ -167,6 +167,33 @@ def build_rollouter(cfg: RunConfig, host: PluginHost, plugin_cfgs: dict[str, Any
     )
 
 
+def build_validator(cfg: RunConfig, host: PluginHost, plugin_cfgs: dict[str, Any], rollouter: Rollouter) -> Any:
+    """The run's :class:`~ferryman.evaluation.Validator` (None without ``validation``), over the
+    Rollouter's own client (router, engines). With ``validation.split`` the Rollouter's env is
+    narrowed to the training share here, before it admits anything."""
+    from ferryman.evaluation import Validator, split_env
+
+    v = cfg.validation
+    if not v.enabled:
+        return None
+    if v.env is not None:
+        env = host.create("env", plugin_cfgs["validation_env"], tokenizer=_load_tokenizer(cfg.model.path), seed=cfg.seed + 1)
+    elif v.split is not None:
+        try:
+            rollouter.env, env = split_env(rollouter.env, v.split)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    else:
+        env = rollouter.env  # the training tasks themselves
+    sampling = SamplingParams(
+        max_tokens=v.max_tokens or cfg.rollout.max_tokens,
+        temperature=cfg.rollout.temperature if v.temperature is None else v.temperature,
+        top_p=v.top_p,
+    )
+    return Validator(env, rollouter.client, n=v.n, sampling=sampling, num_tasks=v.num_tasks,
+                     success_threshold=v.success_threshold, concurrency=v.concurrency)
+
+
 def build_trainer(
     cfg: RunConfig,
     host: PluginHost,
@@ -176,6 +203,7 @@ def build_trainer(
     rollouter: Any,
     stats_sources: list[Any],
     resume_step: int | None = None,
+    validate: Any = None,
 ) -> tuple[Trainer, list[Any]]:
     tokenizer = _load_tokenizer(cfg.model.path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -183,7 +211,10 @@ def build_trainer(
     if cfg.algorithm.adv_estimator == "gae" and not backend.has_critic:
         raise ConfigError("algorithm.adv_estimator: 'gae' needs a critic; set trainer.use_critic=true or use 'grpo'")
     transport = host.create("weight_sync", plugin_cfgs["weight_sync"])
-    trackers = [host.create("tracker", t, run_dir=cfg.run_dir, resume_step=resume_step) for t in plugin_cfgs["trackers"]]
+    trackers = [
+        host.create("tracker", t, run_dir=cfg.run_dir, resume_step=resume_step, total_steps=cfg.training.total_steps)
+        for t in plugin_cfgs["trackers"]
+    ]
     synchronizer = Synchronizer(
         backend=backend,
         transport=transport,
@@ -219,6 +250,10 @@ def build_trainer(
         for tracker in trackers:
             tracker.log(metrics, step)
 
+    def on_validation(step: int, metrics: dict[str, float]) -> None:
+        for tracker in trackers:
+            tracker.log(metrics, step)
+
     trainer = Trainer(
         cfg=cfg,
         backend=backend,
@@ -228,6 +263,8 @@ def build_trainer(
         on_metrics=on_metrics,
         on_step_end=lambda step, m: host.notify("ferryman_on_step_end", step=step, metrics=m),
         checkpointer=checkpointer,
+        validate=validate,
+        on_validation=on_validation,
     )
     return trainer, trackers
 
@@ -273,7 +310,13 @@ class RolloutActor:
         quiet_transformers()
         trace.configure(cfg.run_dir, cfg.trace.level, proc="rollouter")
         host = PluginHost()
-        self.rollouter = build_rollouter(cfg, host, validate_plugin_sections(cfg, host), queue, engines)
+        plugin_cfgs = validate_plugin_sections(cfg, host)
+        self.rollouter = build_rollouter(cfg, host, plugin_cfgs, queue, engines)
+        self.validator = build_validator(cfg, host, plugin_cfgs, self.rollouter)
+
+    async def validate(self, step: int, version: int) -> dict[str, float]:
+        assert self.validator is not None
+        return await self.validator.run(step, version)
 
     async def fit(self) -> None:
         await self.rollouter.fit()
@@ -367,8 +410,13 @@ class TrainerActor:
         host = PluginHost()
         self.queue = queue
         sources = [lambda: rollouter_actor.stats.remote(), queue.stats]
+
+        async def validate(step: int, version: int) -> dict[str, float]:
+            return await rollouter_actor.validate.remote(step, version)
+
         self.trainer, self.trackers = build_trainer(
-            cfg, host, validate_plugin_sections(cfg, host), queue, engines, _RemoteRollouter(rollouter_actor), sources, resume_step
+            cfg, host, validate_plugin_sections(cfg, host), queue, engines, _RemoteRollouter(rollouter_actor), sources, resume_step,
+            validate=validate if cfg.validation.enabled else None,
         )
 
     async def restore(self, path: str) -> dict[str, Any]:
@@ -475,11 +523,15 @@ async def _run_inline(
     for e in engines:  # one at a time: model loading in one process is not thread-safe
         await e.start()
     rollouter = build_rollouter(cfg, host, plugin_cfgs, queue, engines)
+    validator = build_validator(cfg, host, plugin_cfgs, rollouter)
 
     async def rollouter_stats() -> dict[str, float]:
         return {**rollouter.stats(), **(await rollouter.client.router.stats())}
 
-    trainer, trackers = build_trainer(cfg, host, plugin_cfgs, queue, engines, rollouter, [rollouter_stats, queue.stats], resume_step)
+    trainer, trackers = build_trainer(
+        cfg, host, plugin_cfgs, queue, engines, rollouter, [rollouter_stats, queue.stats], resume_step,
+        validate=validator.run if validator is not None else None,
+    )
     ck = trainer.checkpointer
     remove_handler = _on_sigterm(cfg, trainer.request_stop)
     fit = None
@@ -511,6 +563,7 @@ async def _run_inline(
         "resumed": ck.restored,
         "lost_replicas": trainer.synchronizer.lost,
         "report": trainer.report.summary(),
+        "validation": validator.history if validator is not None else [],
     }
 
 

@@ -81,6 +81,13 @@ class EnvSpec(_Spec):
 class TrainerSpec(_Spec):
     """A trainer backend (see :class:`ferryman.protocols.TrainerBackend`)."""
 
+    exporter: Callable[..., Any] | None = None
+    """Optional: ``exporter(checkpoint_dir, *, model_path, config, out_dir, dtype)`` writes the
+    actor of a checkpoint this backend saved (``save_checkpoint``, the ``trainer/`` folder of a
+    run checkpoint) as Hugging Face model files in ``out_dir``: safetensors weights,
+    ``config.json``, ``generation_config.json``; ``model_path`` is the run's base model and
+    ``config`` the backend's validated config. ``ferryman export`` adds the tokenizer."""
+
 
 @dataclass(frozen=True)
 class TrackerSpec(_Spec):

@@ -101,6 +101,8 @@ class Timeline:
     train_args: list[dict[str, Any]] = field(default_factory=list)
     sync_steps: list[dict[str, Any]] = field(default_factory=list)
     queue_len: list[tuple[float, int]] = field(default_factory=list)
+    validations: list[Block] = field(default_factory=list)
+    """``validation.run`` spans (label: the step), drawn in their own lane."""
     end: float = 0.0
 
     def step_range(self, first: int, last: int | None = None) -> tuple[float, float]:
@@ -202,6 +204,8 @@ def build(records: list[dict[str, Any]]) -> Timeline:
             tl.sync_steps.append({**a, "ts": ts, "dur": r["dur"]})
             if a["step"] == "wait_rollouter" and a.get("wait_for_active"):
                 tl.waits.append(Wait(WAIT_ACTIVE, "trainer", ts, end))
+        elif name == "validation.run":
+            tl.validations.append(Block(ts, end, str(a["step"])))
         elif name == "rollouter.blocked" and a["reason"] == "quota":
             blocked.append((ts, end))
     # a sync's line starts when the weights start moving: after it waited for the Rollouter
@@ -317,6 +321,7 @@ COLORS = {
     "train": "#54A24B",
     "sync": "#F2CF1D",
     "wait": "#E45756",
+    "validation": "#9467BD",
 }
 MODE_TITLES = {
     "a": "(a) on-policy",
@@ -353,8 +358,18 @@ def draw_panel(subfig: Any, tl: Timeline, start: float, end: float, title: str, 
     if min_wait_s is None:
         med = statistics.median([b.end - b.start for b in tl.train]) if tl.train else 0.0
         min_wait_s = max(0.2 * med, width * 0.005)
-    axes = subfig.subplots(3, 1, sharex=True, gridspec_kw={"height_ratios": [3.2, 1.4, 1.0], "hspace": 0.08})
-    ax_r, ax_q, ax_t = axes
+    vals = [b for b in tl.validations if b.end >= start and b.start <= end]
+    ratios = [3.2, 1.4, 1.0] + ([0.6] if vals else [])
+    axes = subfig.subplots(len(ratios), 1, sharex=True, gridspec_kw={"height_ratios": ratios, "hspace": 0.08})
+    ax_r, ax_q, ax_t = axes[:3]
+    if vals:  # validation lane: one block per validation (step label), never queued or trained on
+        ax_v = axes[3]
+        for b in vals:
+            ax_v.add_patch(Rectangle((b.start - t0, 0.15), max(b.end - b.start, min_w), 0.7, facecolor=COLORS["validation"], lw=0))
+            ax_v.text(b.start - t0, 0.5, f" val@{b.label}", fontsize=6, va="center", ha="left", clip_on=True)
+        ax_v.set_ylim(0, 1)
+        ax_v.set_yticks([])
+        ax_v.set_ylabel("Validation", fontsize=8)
     subfig.suptitle(title, fontsize=10, x=0.02, ha="left")
 
     # Rollouter lane: one bar per trajectory
@@ -424,8 +439,8 @@ def draw_panel(subfig: Any, tl: Timeline, start: float, end: float, title: str, 
         if s.end >= start and s.start <= end:
             for ax in axes:
                 ax.axvspan(s.start - t0, max(s.end, s.start + min_w) - t0, color=COLORS["sync"], alpha=0.9, lw=0, zorder=1.5)
-    ax_t.set_xlim(0, width)
-    ax_t.set_xlabel("seconds", fontsize=8)
+    axes[-1].set_xlim(0, width)
+    axes[-1].set_xlabel("seconds", fontsize=8)
     for ax in axes:
         ax.tick_params(labelsize=7)
 
@@ -441,6 +456,7 @@ def legend_handles() -> list[Any]:
         Patch(color=COLORS["stale"], label="stale when taken (half: resumed)"),
         Patch(color=COLORS["train"], label="trainer step (mini-batch)"),
         Patch(color=COLORS["sync"], label="weight sync"),
+        Patch(color=COLORS["validation"], label="validation (held-out tasks)"),
         Patch(facecolor=COLORS["wait"], alpha=0.3, edgecolor=COLORS["wait"], label="wait"),
     ]
 

@@ -70,6 +70,8 @@ EVENTS: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "sync.update": ("X", BASIC, ("version",)),
     "sync.step": ("X", BASIC, ("version", "step")),
     "sync.sleep": ("X", BASIC, ("version",)),
+    # validation (runs where the Rollouter runs; never queued or trained on)
+    "validation.run": ("X", BASIC, ("step", "version", "pass_at_1", "runs")),
 }
 
 

@@ -38,6 +38,8 @@ class Trainer:
         on_step_end: Any = None,
         on_metrics: Any = None,
         checkpointer: Any = None,
+        validate: Any = None,
+        on_validation: Any = None,
     ) -> None:
         self.cfg = cfg
         self.alg: AlgorithmConfig = cfg.algorithm
@@ -82,17 +84,58 @@ class Trainer:
         """What the run reports, summarised (``summary.json``'s ``report``); fed by whoever
         publishes the merged per-step metrics (the runner's ``on_metrics``), or by
         :meth:`_publish_step` when there is no ``on_metrics``."""
+        self.validate = validate
+        """``async validate(step, version) -> metrics`` (:class:`ferryman.evaluation.Validator`
+        where the Rollouter runs), or None; ``on_validation(step, metrics)`` reports them."""
+        self.on_validation = on_validation
+        self._validation: asyncio.Task[None] | None = None
 
     async def fit(self) -> list[dict[str, Any]]:
         try:
-            return await self._fit()
+            if self.global_step == 0 and self.cfg.validation.before_train:
+                self._start_validation(0)
+            records = await self._fit()
+            await self._validated()
+            return records
         finally:
             if self._prefetch is not None:  # only left over when a step failed
                 self._prefetch.cancel()
                 self._prefetch = None
+            if self._validation is not None:
+                self._validation.cancel()
             await self._published()
 
+    # ------------------------------------------------------------------ validation
+    def _start_validation(self, step: int) -> None:
+        """Validate at the engines' current weights, next to training. It is awaited before the
+        next weight sync (so all its tokens come from this version) or at once in colocated
+        mode (the engines sleep while the Trainer trains)."""
+        if self.validate is None:
+            return
+        if self._validation is not None and not self._validation.done():
+            # several validations per sync window (every_steps < trigger): one at a time
+            log.warning("validation at step %d skipped: the one before is still running", step)
+            return
+
+        async def run(version: int) -> None:
+            m = await _maybe_await(self.validate(step, version))
+            if self.on_validation is not None:
+                await _maybe_await(self.on_validation(step, m))
+
+        self._validation = asyncio.create_task(run(self.current_param_version))
+
+    async def _validated(self) -> float:
+        """Wait for a validation in progress; returns the wait."""
+        if self._validation is None:
+            return 0.0
+        t0 = time.monotonic()
+        task, self._validation = self._validation, None
+        await task
+        return time.monotonic() - t0
+
     async def _fit(self) -> list[dict[str, Any]]:
+        if self.colocated:
+            await self._validated()
         if self.colocated and self.global_step < self.cfg.training.total_steps:
             await self.synchronizer.park_trainer(self.current_param_version)
         while self.global_step < self.cfg.training.total_steps:
@@ -123,9 +166,16 @@ class Trainer:
             train_s = time.monotonic() - t_train
             self._trace_train(batch, samples, trained_version, t_train, train_s)
             self._fit_update_local_step()
+            if self.local_trigger_step >= self.trigger and self._validation is not None:
+                m["timing/wait_validation_s"] = await self._validated()
             sync_metrics = await self._fit_update_weights()
             m.update(sync_metrics)
             self.global_step += 1
+            every = self.cfg.validation.every_steps
+            if every and self.global_step % every == 0:
+                self._start_validation(self.global_step)
+                if self.colocated:
+                    await self._validated()
             self._busy_s += train_s
             self._throughput_metrics(batch, samples, time.monotonic() - t_step, train_s, m)
             trace.complete("trainer.step", trace.wall(t_step), time.monotonic() - t_step, step=self.global_step, version=trained_version)

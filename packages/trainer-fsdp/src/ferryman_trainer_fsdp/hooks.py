@@ -9,6 +9,7 @@ from ferryman.specs import TrainerSpec
 
 @ferryman.hookimpl
 def ferryman_register_trainers() -> list[TrainerSpec]:
+    from ferryman_trainer_fsdp.export import export_hf
     from ferryman_trainer_fsdp.trainer import FSDPTrainerConfig, make_fsdp_trainer
 
     return [
@@ -17,5 +18,6 @@ def ferryman_register_trainers() -> list[TrainerSpec]:
             make_fsdp_trainer,
             FSDPTrainerConfig,
             "FSDP2 (fully_shard) actor, optional critic and frozen reference; PPO/GRPO/DAPO losses",
+            exporter=export_hf,
         )
     ]

@@ -78,11 +78,13 @@ class FSDPTrainerConfig(PluginConfig):
     so that ``rows × longest row`` (padded tokens) stays at or below this; a single longer row
     forms a micro-batch alone. Gradients are accumulated over micro-batches and weighted so the
     step equals the one of the whole mini-batch."""
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     """Compute dtype of parameters in forward/backward (FSDP2 MixedPrecisionPolicy). Master
-    weights and optimizer states stay float32."""
+    weights and optimizer states stay float32, except with ``float64``: then the master
+    weights, optimizer states, gradients and every computation are float64 (for numerical
+    checks that must not depend on the CPU's summation order; slow)."""
     reduce_dtype: Literal["float32"] = "float32"
-    """Dtype of gradient reduction across ranks."""
+    """Dtype of gradient reduction across ranks (float64 with ``param_dtype: float64``)."""
     activation_checkpointing: bool = False
     """Recompute decoder-layer activations in backward (transformers gradient checkpointing,
     non-reentrant) to save memory."""
@@ -375,11 +377,14 @@ class FSDPTrainerBackend:
     def _mp_policy(self):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-        return MixedPrecisionPolicy(
-            param_dtype=dtypes[self.config.param_dtype],
-            reduce_dtype=dtypes[self.config.reduce_dtype],
-        )
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+        reduce = torch.float64 if self.config.param_dtype == "float64" else dtypes[self.config.reduce_dtype]
+        return MixedPrecisionPolicy(param_dtype=dtypes[self.config.param_dtype], reduce_dtype=reduce)
+
+    @property
+    def _master_dtype(self) -> torch.dtype:
+        """Dtype of the master weights and optimizer states."""
+        return torch.float64 if self.config.param_dtype == "float64" else torch.float32
 
     def _shard(self, model: torch.nn.Module, layers: Any, trainable: bool) -> torch.nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -399,7 +404,7 @@ class FSDPTrainerBackend:
     def _load_causal_lm(self, trainable: bool) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self._master_dtype)
         model.config.use_cache = False
         if trainable and self.config.activation_checkpointing:
             _enable_checkpointing(model, self._decoder_layers(model), self.config.checkpoint_layers)
@@ -415,7 +420,7 @@ class FSDPTrainerBackend:
         # dropout 0: the value head must be deterministic (transformers defaults it to 0.1)
         cfg.classifier_dropout = 0.0
         model = AutoModelForTokenClassification.from_pretrained(
-            self.model_path, config=cfg, dtype=torch.float32
+            self.model_path, config=cfg, dtype=self._master_dtype
         )
         model.config.use_cache = False
         if self.config.activation_checkpointing:
@@ -501,7 +506,8 @@ class FSDPTrainerBackend:
         return lp * sub.attention_mask.to(lp.device, lp.dtype)
 
     def _token_values(self, model: torch.nn.Module, sub: TrainBatch) -> torch.Tensor:
-        v = model(**self._inputs(sub), use_cache=False).logits[..., 0].float()
+        v = model(**self._inputs(sub), use_cache=False).logits[..., 0]
+        v = v.to(torch.promote_types(v.dtype, torch.float32))  # float64 stays float64
         v = _shift_right(v[:, :-1], sub.seq_len)
         return v * sub.attention_mask.to(v.device, v.dtype)
 

@@ -100,18 +100,51 @@ COUNT_KEYS = {
 
 
 class ConsoleTracker:
-    def __init__(self, keys: list[str], stream: TextIO | None = None, counts: bool = True) -> None:
+    """One line per step: ``step/total``, samples/s, the ETA and the config's ``keys``; on a
+    terminal also a progress bar. Validation metrics (``val/…``) get a line of their own."""
+
+    BAR = 20
+
+    def __init__(self, keys: list[str], stream: TextIO | None = None, total_steps: int | None = None,
+                 resume_step: int | None = None, tty: bool | None = None, counts: bool = True) -> None:
         self.keys = keys
         self.stream = stream or sys.stdout
+        self.total = total_steps
         self.counts = counts
         self._t0 = time.monotonic()
+        self._first_step = resume_step or 0
+        """Steps done before this process started (a resume): the ETA uses only this run's."""
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) if tty is None else tty
 
     @classmethod
-    def from_config(cls, config: ConsoleTrackerConfig, **_: Any) -> ConsoleTracker:
-        return cls(config.keys, counts=config.counts)
+    def from_config(cls, config: ConsoleTrackerConfig, *, total_steps: int | None = None, resume_step: int | None = None, **_: Any) -> ConsoleTracker:
+        return cls(config.keys, total_steps=total_steps, resume_step=resume_step, counts=config.counts)
+
+    def progress(self, step: int, elapsed: float) -> list[str]:
+        """``step/total``, percent, bar (terminal only) and ETA."""
+        if not self.total:
+            return [f"step {step:4d}"]
+        width = len(str(self.total))
+        parts = [f"step {step:{width}d}/{self.total}", f"{100.0 * step / self.total:5.1f}%"]
+        if self.tty:
+            filled = int(round(self.BAR * min(step, self.total) / self.total))
+            parts.insert(1, "[" + "#" * filled + "-" * (self.BAR - filled) + "]")
+        done = step - self._first_step
+        if done > 0 and step < self.total:
+            parts.append(f"ETA {_duration(elapsed / done * (self.total - step))}")
+        elif step >= self.total:
+            parts.append("done")
+        return parts
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        parts = [f"step {step:4d}", f"t={time.monotonic() - self._t0:7.1f}s"]
+        elapsed = time.monotonic() - self._t0
+        if "val/pass@1" in metrics and "reward/mean" not in metrics:
+            vals = [f"{k[4:]}={v:.3f}" for k, v in metrics.items() if k.startswith("val/pass@") or k in ("val/reward_mean", "val/response_length_mean")]
+            print(f"validation at step {step} (weights v{int(metrics.get('val/weight_version', -1))}): " + "  ".join(vals), file=self.stream, flush=True)
+            return
+        parts = [*self.progress(step, elapsed), f"t={elapsed:7.1f}s"]
+        if "perf/samples_per_s_avg" in metrics:
+            parts.append(f"{metrics['perf/samples_per_s_avg']:.2f} samples/s")
         for k in self.keys:
             if k in metrics:
                 parts.append(f"{k}={metrics[k]:.3f}")
@@ -124,6 +157,13 @@ class ConsoleTracker:
 
     def close(self) -> None:
         self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def _require(module: str, extra: str, tracker: str) -> None:
