@@ -58,7 +58,7 @@ class _VocabParallelStats(torch.autograd.Function):
             n = e - s
             z = logits[b, s:e, :valid].float()
             if scale != 1.0:
-                z.mul_(scale)
+                z = z * scale  # out of place: .float() of float32 logits is the input itself
             if valid:
                 m = z.amax(dim=-1)
             else:
@@ -96,7 +96,7 @@ class _VocabParallelStats(torch.autograd.Function):
         for b, s, e in _chunks(B, T, chunk_tokens):
             z = logits[b, s:e, :valid].float()
             if scale != 1.0:
-                z.mul_(scale)
+                z = z * scale  # out of place: .float() of float32 logits is the input itself
             lse = lse_all[b, s:e].unsqueeze(-1)
             p = torch.exp(z - lse)
             acc = torch.zeros_like(z)
