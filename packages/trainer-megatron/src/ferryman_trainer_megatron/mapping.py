@@ -195,7 +195,9 @@ def transformer_config_kwargs(shape: ModelShape, trainer: Any) -> dict[str, Any]
         params_dtype="bfloat16" if bf16 else "float32",
         pipeline_dtype="bfloat16" if bf16 else "float32",
         # every micro-batch has its own length: pipeline stages exchange shapes first
-        variable_seq_lengths=True,
+        variable_seq_lengths=pp > 1,
+        # (Megatron refuses variable lengths with the default allgather dispatcher, even dense)
+        moe_token_dispatcher_type="alltoall",
         # losses come pre-weighted; no division by micro-batch count or token count inside
         calculate_per_token_loss=True,
         use_cpu_initialization=False,
@@ -219,7 +221,6 @@ def transformer_config_kwargs(shape: ModelShape, trainer: Any) -> dict[str, Any]
             moe_router_pre_softmax=not shape.moe_norm_topk_prob,
             moe_router_load_balancing_type="aux_loss" if trainer.moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=float(trainer.moe_aux_loss_coeff),
-            moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=te,
             moe_router_dtype="fp32",
             moe_enable_routing_replay=bool(trainer.router_replay),
