@@ -71,26 +71,31 @@ class _ValueHead(torch.nn.Module):
 class MegatronRuntime:
     """One rank of a Megatron model replica group (see :class:`ferryman_trainer_megatron.trainer.Runtime`)."""
 
-    def __init__(self, config: MegatronTrainerConfig, *, model_path: str, seed: int = 0) -> None:
+    def __init__(self, config: MegatronTrainerConfig, *, model_path: str, seed: int = 0, _device: str = "cuda") -> None:
+        """``_device="cpu"`` is for the CPU check of this class (tests/megatron_cpu_runtime.py,
+        which patches Megatron's CUDA-only calls); runs use CUDA."""
         global _USERS
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from transformers import AutoConfig
 
-        if not torch.cuda.is_available():
+        cuda = _device == "cuda"
+        if cuda and not torch.cuda.is_available():
             raise RuntimeError("trainer.type=megatron needs CUDA GPUs (Megatron-core has no CPU path)")
         self.config = config
         self.model_path = model_path
         self._own_group = False
         if not dist.is_initialized():
+            backend = "nccl" if cuda else "gloo"
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-                dist.init_process_group("nccl", timeout=timedelta(minutes=30))
+                dist.init_process_group(backend, timeout=timedelta(minutes=30))
             else:
-                dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
                                         timeout=timedelta(minutes=30))
             self._own_group = True
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(self.device)
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
         world = dist.get_world_size()
         if world % config.model_parallel_size:
             raise ValueError(f"world size {world} is not a multiple of tensor × pipeline × context = {config.model_parallel_size}")
@@ -104,7 +109,8 @@ class MegatronRuntime:
             )
         _USERS += 1
         self.ps = ps
-        model_parallel_cuda_manual_seed(seed)
+        if cuda:
+            model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.shape = model_shape(self.hf_config)
@@ -199,7 +205,7 @@ class MegatronRuntime:
                               **gpt_model_kwargs(self.shape, self.config, critic=critic))
         if critic and self.last:
             module.output_layer = _ValueHead(self.shape.hidden_size, tconf.params_dtype).to(self.device)
-        module.cuda(self.device)
+        module.to(self.device)
         self._load_hf(module, critic)
         if role == "ref":
             module.requires_grad_(False)
@@ -404,6 +410,8 @@ class MegatronRuntime:
     def rng_state(self) -> dict[str, Any]:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+        if self.device.type != "cuda":
+            return {"cpu": torch.get_rng_state()}
         return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(self.device),
                 "tracker": get_cuda_rng_tracker().get_states()}
 
@@ -411,8 +419,9 @@ class MegatronRuntime:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         torch.set_rng_state(state["cpu"])
-        torch.cuda.set_rng_state(state["cuda"], self.device)
-        get_cuda_rng_tracker().set_states(state["tracker"])
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+            get_cuda_rng_tracker().set_states(state["tracker"])
 
     # ------------------------------------------------------------------ colocated mode
     def offload(self, handles: dict[str, _Handle]) -> None:
