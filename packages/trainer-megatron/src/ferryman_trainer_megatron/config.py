@@ -1,0 +1,127 @@
+"""Configuration of the ``megatron`` trainer backend. Validates without Megatron installed."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from ferryman.config import PluginConfig
+
+__all__ = ["MegatronTrainerConfig", "MEGATRON_EXTRA", "MEGATRON_REQUIREMENT"]
+
+MEGATRON_REQUIREMENT = "megatron-core>=0.19.2,<0.20"
+"""The megatron-core release line this backend is written against (its API is read from 0.19.2)."""
+MEGATRON_EXTRA = "ferryman-trainer-megatron[megatron]"
+"""The extra that installs it."""
+
+
+class MegatronTrainerConfig(PluginConfig):
+    """Configuration of the ``megatron`` trainer backend (``trainer:`` section of a run config).
+
+    The world (``torchrun`` ranks, or one process) is cut into
+    ``tensor × pipeline × context × data`` parallel groups by Megatron's
+    ``parallel_state.initialize_model_parallel``; the data-parallel size is what is left:
+    ``world / (tensor × pipeline × context)``. Experts of a MoE model are spread over
+    ``expert_parallel_size`` ranks of the data × context group."""
+
+    type: Literal["megatron"] = "megatron"
+    lr: float = Field(1e-5, ge=0)
+    """Actor learning rate (Adam with decoupled weight decay, Megatron's optimizer)."""
+    critic_lr: float = Field(1e-5, ge=0)
+    """Critic learning rate; used only with ``use_critic``."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay (actor and critic)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam ``(beta1, beta2)``."""
+    adam_eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0)
+    """Maximum global gradient norm (over every parallel group); 0 disables clipping."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each batch in ``update_actor`` / ``update_critic``."""
+    micro_batch_max_tokens: int = Field(4096, ge=1)
+    """Token budget of one micro-batch (rows sorted by length, ``rows × longest row`` at most
+    this; a longer row alone). Gradients accumulate over micro-batches, weighted so that the
+    step is the one of the whole mini-batch."""
+    log_prob_chunk_tokens: int = Field(1024, ge=1)
+    """Log-probs and entropies are computed from the vocab-parallel logits this many positions
+    at a time in float32, forward and backward: no float32 copy of the logits shard is made."""
+    param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the model parameters in forward/backward. With ``bfloat16`` the optimizer keeps
+    float32 main weights and states (Megatron's mixed-precision optimizer)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    context_parallel_size: int = Field(1, ge=1)
+    """Context parallelism (the sequence split over ranks). Not implemented yet: must be 1."""
+    expert_parallel_size: int = Field(1, ge=1)
+    """Experts of a MoE model spread over this many ranks (must divide the expert count)."""
+    expert_tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor parallelism inside each expert (1: every expert whole on its rank)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (activations split along the sequence between the tensor
+    parallel ranks outside attention/MLP); needs ``tensor_parallel_size > 1``."""
+    use_distributed_optimizer: bool = True
+    """Shard the optimizer states (and float32 main weights) over the data-parallel ranks."""
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    """Layer spec: ``local`` (Megatron-core's own modules, no extra dependency) or
+    ``transformer_engine`` (TE's fused modules; needs the ``megatron-te`` extra). See the
+    README for what the local spec cannot do."""
+    recompute: Literal["none", "full", "selective"] = "none"
+    """Activation recomputation: ``full`` recomputes whole layers (``recompute_num_layers`` of
+    them per pipeline stage, uniform method), ``selective`` only core attention."""
+    recompute_num_layers: int | None = Field(None, ge=1)
+    """With ``recompute: full``: layers recomputed per stage (``None``: all of them)."""
+    make_vocab_size_divisible_by: int = Field(128, ge=1)
+    """The embedding and output layer are padded to a multiple of this × the tensor-parallel
+    size (Megatron's rule); padded rows are zero on load, masked to -inf in the log-softmax, and
+    stripped on export."""
+    moe_aux_loss_coeff: float = Field(0.0, ge=0)
+    """MoE load-balancing auxiliary loss coefficient (0: no load-balancing loss)."""
+    router_replay: bool = False
+    """MoE router replay: every forward routes each token to the experts the rollout engine
+    chose (``batch.meta["routed_experts"]``, ``[B, T, moe layers, top-k]``) instead of its own
+    top-k, so that trainer and engine agree on the experts (Megatron's ``RouterReplay``)."""
+    use_critic: bool = False
+    """Build a value model (same backbone, scalar value head). Needed by GAE."""
+    critic_warmup: int = Field(0, ge=0)
+    """With a critic: ``update_actor`` does nothing until ``update_critic`` ran this often."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warmup over this many optimizer steps; 0 = constant."""
+    device: Literal["cuda"] = "cuda"
+    """Megatron-core trains on CUDA GPUs only (``cuda:LOCAL_RANK`` per rank)."""
+    backend: Literal["nccl"] = "nccl"
+    """torch.distributed backend when the trainer creates the process group."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each Adam beta must be in [0, 1), got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _context_parallel_not_implemented(self) -> MegatronTrainerConfig:
+        if self.context_parallel_size != 1:
+            raise ValueError(
+                "trainer.context_parallel_size: context parallelism is not implemented yet by the "
+                "megatron backend (it needs transformer_impl: transformer_engine and the sequence "
+                "split of each micro-batch); use 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_parallel_needs_tp(self) -> MegatronTrainerConfig:
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("trainer.sequence_parallel needs trainer.tensor_parallel_size > 1")
+        return self
+
+    @model_validator(mode="after")
+    def _recompute_layers_need_full(self) -> MegatronTrainerConfig:
+        if self.recompute_num_layers is not None and self.recompute != "full":
+            raise ValueError("trainer.recompute_num_layers is only used with trainer.recompute: full")
+        return self
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks of one model replica: tensor × pipeline × context."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size

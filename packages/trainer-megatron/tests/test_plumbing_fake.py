@@ -1,0 +1,83 @@
+"""The backend's RL plumbing with Megatron behind FakeMegatronRuntime (a transformers model on
+CPU that hands over padded-vocabulary logits as Megatron's last stage would): the generic
+TrainerContract, log-probs equal to a plain full softmax of the HF model, and the one-line error
+without megatron-core."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferryman.config import AlgorithmConfig
+from ferryman.testing.trainer_contract import TrainerContract, fill_train_batch, random_train_batch
+from ferryman.tiny import build_tiny_model
+from ferryman_trainer_megatron.config import MegatronTrainerConfig
+from ferryman_trainer_megatron.testing import FakeMegatronRuntime
+from ferryman_trainer_megatron.trainer import MegatronTrainerBackend
+
+torch.set_num_threads(1)
+VOCAB = 160
+
+
+def make(model_dir, algorithm, **cfg):
+    config = MegatronTrainerConfig(**cfg)
+    return MegatronTrainerBackend(config, model_path=str(model_dir), algorithm=algorithm, seed=0,
+                                  runtime=FakeMegatronRuntime(config, model_path=str(model_dir), seed=0))
+
+
+class TestFakeMegatronContract(TrainerContract):
+    ACTOR_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl", "actor/lr")
+    CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def trainer(cls, tmp_path_factory):
+        model_dir = build_tiny_model(tmp_path_factory.mktemp("contract") / "tiny", vocab_size=VOCAB)
+        backend = make(model_dir, AlgorithmConfig(kl_coef=0.05, entropy_coeff=0.01, adv_estimator="gae"),
+                       lr=1e-3, critic_lr=1e-3, use_critic=True, micro_batch_max_tokens=24, lr_warmup_steps=2,
+                       make_vocab_size_divisible_by=64)
+        yield backend
+        backend.close()
+
+    @pytest.fixture
+    def make_batch(self, trainer):
+        def make_(seed: int = 0):
+            return fill_train_batch(trainer, random_train_batch(VOCAB, seed=seed))
+
+        return make_
+
+
+def test_log_probs_equal_the_hf_model_despite_vocab_padding(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_tiny_model(tmp_path / "tiny", vocab_size=VOCAB)
+    backend = make(model_dir, AlgorithmConfig(), micro_batch_max_tokens=20, make_vocab_size_divisible_by=128)
+    try:
+        assert backend.rt.padded_vocab == 256  # the fake's logits carry 96 junk columns
+        batch = random_train_batch(VOCAB, seed=3)
+        batch.meta["temperature"] = 0.8
+        lp = backend.compute_log_probs(batch)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
+        ref = torch.log_softmax(logits[:, :-1].double() / 0.8, -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+        ref = torch.nn.functional.pad(ref, (1, 0)) * batch.attention_mask
+        torch.testing.assert_close(lp.double(), ref, atol=1e-5, rtol=0)
+    finally:
+        backend.close()
+
+
+def test_factory_without_megatron_fails_with_one_line_naming_the_extra(tmp_path):
+    pytest.importorskip("ferryman_trainer_megatron.factory")
+    try:
+        import megatron.core  # noqa: F401
+
+        pytest.skip("megatron-core is installed here")
+    except ImportError:
+        pass
+    from ferryman_trainer_megatron.factory import MegatronMissingError, make_megatron_trainer
+
+    with pytest.raises(MegatronMissingError) as info:
+        make_megatron_trainer(MegatronTrainerConfig(), model_path=str(tmp_path))
+    msg = str(info.value)
+    assert "\n" not in msg and "ferryman-trainer-megatron[megatron]" in msg
