@@ -16,6 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_fractional_gpu_shares_place_engines_and_trainer_on_one_gpu(tmp_path, tiny_model, capsys):
+    import ray
+
+    if ray.is_initialized():  # a Ray left by an earlier test has no GPU: this run starts its own
+        ray.shutdown()
     run_dir = tmp_path / "run"
     rc = main(
         [

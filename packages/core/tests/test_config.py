@@ -107,7 +107,8 @@ def test_colocated_is_a_mode_of_its_own():
 
 
 def test_every_example_config_parses():
-    examples = sorted((ROOT / "examples").rglob("*.yaml"))
+    # examples/cluster holds Kubernetes manifests (KubeRay), not run configs
+    examples = sorted(p for p in (ROOT / "examples").rglob("*.yaml") if "cluster" not in p.relative_to(ROOT / "examples").parts)
     if not examples:
         pytest.skip("examples are not shipped with this install")
     for path in examples:

@@ -238,6 +238,7 @@ class BoardStickyRouter(StickyRouter):
         random.Random(self.member).shuffle(order)
         for i, rep in enumerate(order):
             rep.last_pick = i - len(order) - 1
+        self._rebuild_heap()  # the tie-break stamps changed: the least-loaded heap must know
 
         self._task: asyncio.Task[None] | None = None
         self._lock: asyncio.Lock | None = None
