@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# these build the tiny model (core alone, as in `nox -s core`, has no transformers)
+pytest.importorskip("transformers")
+
 from ferryman.client import ServerClient
 from ferryman.defaults.router import LocalRouter
 from ferryman.engine_host import EngineHandle

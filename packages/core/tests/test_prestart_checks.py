@@ -8,6 +8,9 @@ import importlib.metadata as md
 
 import pytest
 
+# these build the tiny model (core alone, as in `nox -s core`, has no transformers)
+pytest.importorskip("transformers")
+
 from ferryman.cli import main
 from ferryman.config import ConfigError, RunConfig, load_config, validate_plugin_section
 from ferryman.plugins import PluginHost
