@@ -47,7 +47,6 @@ are re-dispatched from the start and counted in ``rollouter/redispatched_runs``)
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -61,8 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from ferryman.faults import hit
-from ferryman.replay import InFlightSample, RunLog
-from ferryman.types import Sample, new_id
+from ferryman.types import Sample
 
 log = logging.getLogger(__name__)
 
@@ -71,19 +69,6 @@ PIPELINE_FILE = "pipeline.pkl"
 META_FILE = "meta.json"
 TRAINER_DIR = "trainer"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-ROLLOUTER_COUNTERS = (
-    "total_admitted",
-    "total_produced",
-    "total_dropped_samples",
-    "total_failed_trajectories",
-    "total_timed_out_trajectories",
-    "total_runs_dispatched",
-    "total_runs_finished",
-    "total_redispatched_runs",
-    "max_active_seen",
-)
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be read or does not fit this run."""
@@ -106,112 +91,6 @@ class RollouterDiedError(RunDiedError):
 class TrainingStalledError(RunDiedError):
     """The trainer skipped step after step for non-finite gradients (it trains nothing): the
     run was stopped (``training.max_nonfinite_grad_steps``)."""
-
-
-# --------------------------------------------------------------------------- the Rollouter's part
-
-
-def capture_rollouter(r: Any, sync_version: int | None) -> dict[str, Any]:
-    """The Rollouter's state (data-loader position, accounting, samples in flight). Call with
-    admission paused and the engines paused; ``sync_version``: the version being synced when
-    the cut is taken inside a sync (the restore then resets staleness to it)."""
-    inflight = []
-    for uid, st in r.inflight.items():
-        logs: dict[str, RunLog] = {}
-        for rid in st.run_ids:
-            if rid in st.done or rid in st.failed:
-                continue
-            record = r.recorder.snapshot(rid)
-            if record is None:
-                record = st.replay.get(rid)  # restored, not yet started again
-            if record is not None:
-                logs[rid] = record
-        inflight.append(
-            {
-                "uid": uid,
-                "task_index": st.task_index,
-                "created_version": st.created_version,
-                "run_ids": list(st.run_ids),
-                "done": dict(st.done),
-                "failed": list(st.failed),
-                "logs": logs,
-                "complete": st.complete is not None,
-                "timings": dict(st.timings),
-            }
-        )
-    return {
-        "version": r.version,
-        "sync_version": sync_version,
-        "order": list(r._order),
-        "cursor": r._cursor,
-        "epoch": r.epoch,
-        "rng": r._rng.getstate(),
-        "n": r.n,
-        "window_admitted": r.window_admitted,
-        "windows": [dataclasses.asdict(w) for w in r.windows],
-        "counters": {name: getattr(r, name) for name in ROLLOUTER_COUNTERS},
-        "inflight": inflight,
-    }
-
-
-async def restore_rollouter(r: Any, state: dict[str, Any], exclude_uids: set[str]) -> dict[str, float]:
-    """Put a captured state back into a fresh Rollouter (before ``fit()``) and start its samples
-    in flight again. Samples whose uid is in ``exclude_uids`` (already queued, taken or trained)
-    are not restarted. Returns counts for the log and the summary."""
-    from ferryman.rollouter import WindowRecord
-
-    if state["n"] != r.n:
-        raise CheckpointError(f"rollout.n: the checkpoint has {state['n']} runs per sample, this run {r.n}")
-    num_tasks = r.env.num_tasks()
-    if state["order"] and max(state["order"]) >= num_tasks:
-        raise CheckpointError(f"env: the checkpoint's task order reaches task {max(state['order'])}, this env has {num_tasks} tasks")
-    r._order = list(state["order"])
-    r._cursor = state["cursor"]
-    r.epoch = state["epoch"]
-    r._rng.setstate(state["rng"])
-    r.version = state["version"]
-    r.window_admitted = state["window_admitted"]
-    r.windows = [WindowRecord(**w) for w in state["windows"]]
-    for name, value in state["counters"].items():
-        setattr(r, name, value)
-    resumable = bool(getattr(r.env, "resumable", False))
-    info = {"restored_samples": 0.0, "replayed_runs": 0.0, "redispatched_runs": 0.0, "discarded_tokens": 0.0, "kept_tokens": 0.0}
-    for item in state["inflight"]:
-        if item["uid"] in exclude_uids:
-            continue
-        st = InFlightSample(
-            uid=item["uid"],
-            task_index=item["task_index"],
-            created_version=item["created_version"],
-            run_ids=list(item["run_ids"]),
-            done=dict(item["done"]),
-            failed=list(item["failed"]),
-            timings=dict(item["timings"]),
-        )
-        for rid, record in item["logs"].items():
-            if resumable:
-                st.replay[rid] = record
-                info["replayed_runs"] += 1
-                info["kept_tokens"] += record.num_tokens
-            else:
-                # a black-box run cannot be replayed (its sandbox is gone): start it afresh
-                st.run_ids[st.run_ids.index(rid)] = new_id("r-")
-                info["redispatched_runs"] += 1
-                info["discarded_tokens"] += record.num_tokens
-        r.inflight[st.uid] = st
-        r.active[st.uid] = asyncio.create_task(r._run_sample(st.uid, st.task_index, st.created_version, st))
-        info["restored_samples"] += 1
-    r.total_redispatched_runs += int(info["redispatched_runs"])
-    # a replayed run continues a dispatch counted before the cut; it is counted again when it starts
-    r.total_runs_dispatched -= int(info["replayed_runs"])
-    r.max_active_seen = max(r.max_active_seen, len(r.active))
-    if state["sync_version"] is not None:
-        await r.reset_staleness(state["sync_version"])
-    else:
-        async with r.cond:
-            r.paused = False
-            r.cond.notify_all()
-    return info
 
 
 # --------------------------------------------------------------------------- the trainer backend's part

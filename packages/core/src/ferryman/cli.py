@@ -143,7 +143,7 @@ def _is_run_dir(path: str) -> bool:
 def _cmd_export(args: argparse.Namespace) -> int:
     from ferryman.evaluation.export import export_checkpoint
     from ferryman.plugins import PluginHost
-    from ferryman.runner import quiet_transformers
+    from ferryman.quiet import quiet_transformers
 
     quiet_transformers()
     out = export_checkpoint(args.run_dir, args.output, host=PluginHost(), step=args.step, dtype=args.dtype)
@@ -161,7 +161,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from ferryman.checkpoint import read_meta
     from ferryman.plugins import PluginHost
 
-    from ferryman.runner import quiet_transformers
+    from ferryman.quiet import quiet_transformers
 
     quiet_transformers()
     host = PluginHost()

@@ -11,13 +11,20 @@ from __future__ import annotations
 import difflib
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ferryman.plugins import PluginHost
+
+
+class SpecSource(Protocol):
+    """What validating a plugin section needs from the plugin host (:class:`ferryman.plugins.PluginHost`
+    is one; a protocol here keeps the import one-way: plugins -> specs -> config)."""
+
+    def specs(self, role: str) -> dict[str, Any]: ...
+
+    def disabled_provider(self, role: str, name: str) -> str | None: ...
 
 
 class ConfigError(ValueError):
@@ -594,7 +601,7 @@ def _format_validation_error(err: ValidationError, prefix: str = "", model: type
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
-    host: PluginHost | None = None,
+    host: SpecSource | None = None,
 ) -> tuple[RunConfig, dict[str, Any]]:
     """Read YAML, apply overrides, validate the core sections and every plugin section.
 
@@ -638,7 +645,7 @@ ROLE_OF_SECTION = {
 }
 
 
-def validate_plugin_section(host: PluginHost, role: str, section: str, raw: Any) -> PluginConfig:
+def validate_plugin_section(host: SpecSource, role: str, section: str, raw: Any) -> PluginConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{section}: must be a mapping with a 'type' field")
     specs = host.specs(role)
@@ -658,7 +665,7 @@ def validate_plugin_section(host: PluginHost, role: str, section: str, raw: Any)
         raise ConfigError(_format_validation_error(e, section, cls)) from None
 
 
-def validate_plugin_sections(cfg: RunConfig, host: PluginHost) -> dict[str, Any]:
+def validate_plugin_sections(cfg: RunConfig, host: SpecSource) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for section, role in ROLE_OF_SECTION.items():
         out[section] = validate_plugin_section(host, role, section, getattr(cfg, section))

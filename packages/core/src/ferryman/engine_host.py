@@ -82,7 +82,7 @@ class EngineActor:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from ferryman.config import validate_plugin_section
         from ferryman.plugins import PluginHost
-        from ferryman.runner import quiet_transformers
+        from ferryman.quiet import quiet_transformers
 
         quiet_transformers()
         host = PluginHost()

@@ -16,6 +16,7 @@ samples: what one window over-produced, the next produces less; the total is con
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import random
@@ -26,10 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ferryman import trace
+from ferryman.checkpoint import CheckpointError
 from ferryman.config import RunFailuresConfig
 from ferryman.faults import hit
 from ferryman.protocols import Env, GenerateClient, Queue
-from ferryman.replay import InFlightSample, RunRecorder
+from ferryman.replay import InFlightSample, RunLog, RunRecorder
 from ferryman.types import Sample, SamplingParams, Trajectory, new_id
 
 log = logging.getLogger(__name__)
@@ -475,14 +477,10 @@ class Rollouter:
     async def checkpoint_state(self, sync_version: int | None = None) -> dict[str, Any]:
         """This Rollouter's part of a checkpoint (see :mod:`ferryman.checkpoint`); call it while
         admission is paused and the engines are paused."""
-        from ferryman.checkpoint import capture_rollouter
-
         return capture_rollouter(self, sync_version)
 
     async def restore_state(self, state: dict[str, Any], queued_uids: list[str]) -> dict[str, float]:
         """Continue from a checkpoint (before ``fit()``); returns what was re-dispatched."""
-        from ferryman.checkpoint import restore_rollouter
-
         return await restore_rollouter(self, state, set(queued_uids))
 
     async def freeze(self) -> None:
@@ -542,3 +540,122 @@ class Rollouter:
 
     def window_log(self) -> list[dict[str, Any]]:
         return [vars(w).copy() for w in self.windows]
+
+
+ROLLOUTER_COUNTERS = (
+    "total_admitted",
+    "total_produced",
+    "total_dropped_samples",
+    "total_failed_trajectories",
+    "total_timed_out_trajectories",
+    "total_runs_dispatched",
+    "total_runs_finished",
+    "total_redispatched_runs",
+    "max_active_seen",
+)
+
+
+# --------------------------------------------------------------------------- checkpoint state
+# (here, not in ferryman.checkpoint: the checkpoint module knows nothing of the Rollouter's
+# internals, and imports stay one-way, rollouter -> checkpoint)
+
+
+def capture_rollouter(r: Any, sync_version: int | None) -> dict[str, Any]:
+    """The Rollouter's state (data-loader position, accounting, samples in flight). Call with
+    admission paused and the engines paused; ``sync_version``: the version being synced when
+    the cut is taken inside a sync (the restore then resets staleness to it)."""
+    inflight = []
+    for uid, st in r.inflight.items():
+        logs: dict[str, RunLog] = {}
+        for rid in st.run_ids:
+            if rid in st.done or rid in st.failed:
+                continue
+            record = r.recorder.snapshot(rid)
+            if record is None:
+                record = st.replay.get(rid)  # restored, not yet started again
+            if record is not None:
+                logs[rid] = record
+        inflight.append(
+            {
+                "uid": uid,
+                "task_index": st.task_index,
+                "created_version": st.created_version,
+                "run_ids": list(st.run_ids),
+                "done": dict(st.done),
+                "failed": list(st.failed),
+                "logs": logs,
+                "complete": st.complete is not None,
+                "timings": dict(st.timings),
+            }
+        )
+    return {
+        "version": r.version,
+        "sync_version": sync_version,
+        "order": list(r._order),
+        "cursor": r._cursor,
+        "epoch": r.epoch,
+        "rng": r._rng.getstate(),
+        "n": r.n,
+        "window_admitted": r.window_admitted,
+        "windows": [dataclasses.asdict(w) for w in r.windows],
+        "counters": {name: getattr(r, name) for name in ROLLOUTER_COUNTERS},
+        "inflight": inflight,
+    }
+
+
+async def restore_rollouter(r: Any, state: dict[str, Any], exclude_uids: set[str]) -> dict[str, float]:
+    """Put a captured state back into a fresh Rollouter (before ``fit()``) and start its samples
+    in flight again. Samples whose uid is in ``exclude_uids`` (already queued, taken or trained)
+    are not restarted. Returns counts for the log and the summary."""
+    if state["n"] != r.n:
+        raise CheckpointError(f"rollout.n: the checkpoint has {state['n']} runs per sample, this run {r.n}")
+    num_tasks = r.env.num_tasks()
+    if state["order"] and max(state["order"]) >= num_tasks:
+        raise CheckpointError(f"env: the checkpoint's task order reaches task {max(state['order'])}, this env has {num_tasks} tasks")
+    r._order = list(state["order"])
+    r._cursor = state["cursor"]
+    r.epoch = state["epoch"]
+    r._rng.setstate(state["rng"])
+    r.version = state["version"]
+    r.window_admitted = state["window_admitted"]
+    r.windows = [WindowRecord(**w) for w in state["windows"]]
+    for name, value in state["counters"].items():
+        setattr(r, name, value)
+    resumable = bool(getattr(r.env, "resumable", False))
+    info = {"restored_samples": 0.0, "replayed_runs": 0.0, "redispatched_runs": 0.0, "discarded_tokens": 0.0, "kept_tokens": 0.0}
+    for item in state["inflight"]:
+        if item["uid"] in exclude_uids:
+            continue
+        st = InFlightSample(
+            uid=item["uid"],
+            task_index=item["task_index"],
+            created_version=item["created_version"],
+            run_ids=list(item["run_ids"]),
+            done=dict(item["done"]),
+            failed=list(item["failed"]),
+            timings=dict(item["timings"]),
+        )
+        for rid, record in item["logs"].items():
+            if resumable:
+                st.replay[rid] = record
+                info["replayed_runs"] += 1
+                info["kept_tokens"] += record.num_tokens
+            else:
+                # a black-box run cannot be replayed (its sandbox is gone): start it afresh
+                st.run_ids[st.run_ids.index(rid)] = new_id("r-")
+                info["redispatched_runs"] += 1
+                info["discarded_tokens"] += record.num_tokens
+        r.inflight[st.uid] = st
+        r.active[st.uid] = asyncio.create_task(r._run_sample(st.uid, st.task_index, st.created_version, st))
+        info["restored_samples"] += 1
+    r.total_redispatched_runs += int(info["redispatched_runs"])
+    # a replayed run continues a dispatch counted before the cut; it is counted again when it starts
+    r.total_runs_dispatched -= int(info["replayed_runs"])
+    r.max_active_seen = max(r.max_active_seen, len(r.active))
+    if state["sync_version"] is not None:
+        await r.reset_staleness(state["sync_version"])
+    else:
+        async with r.cond:
+            r.paused = False
+            r.cond.notify_all()
+    return info

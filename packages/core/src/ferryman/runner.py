@@ -39,6 +39,7 @@ from ferryman.cluster.tuning import tune_control_plane_gc
 from ferryman.config import ConfigError, RunConfig, missing_requirements, validate_plugin_sections
 from ferryman.engine_host import EngineHandle, spawn_engine_actors
 from ferryman.plugins import PluginError, PluginHost
+from ferryman.quiet import quiet_transformers
 from ferryman.rollouter import AgentRunsFailingError, Rollouter
 from ferryman.sync import Synchronizer
 from ferryman.trainer_loop import Trainer
@@ -49,16 +50,6 @@ log = logging.getLogger(__name__)
 EXIT_STOPPED = 75
 """Exit status of ``ferryman train`` after a stop on SIGTERM (a checkpoint was saved; run it
 again with ``--resume``): EX_TEMPFAIL."""
-
-
-
-def quiet_transformers() -> None:
-    """No weight-loading progress bars in a run's log (one per actor and replica otherwise)."""
-    try:
-        import transformers.utils.logging as tlog
-    except ImportError:  # pragma: no cover
-        return
-    tlog.disable_progress_bar()
 
 
 def _load_tokenizer(path: str) -> Any:
