@@ -22,7 +22,7 @@ from ferryman_engine_sglang.api import EXTRA_HINT, check_version  # noqa: E402
 from ferryman_engine_sglang.config import SGLangEngineConfig  # noqa: E402
 from ferryman_engine_sglang.engine import SGLangEngine, _Request, make_sglang_engine  # noqa: E402
 from ferryman_engine_sglang.testing import FakeSGLangEngine  # noqa: E402
-from ferryman_engine_sglang.weights import check_bucket, read_checkpoint_spec  # noqa: E402
+from ferryman.engine_checks import check_bucket, read_checkpoint_spec  # noqa: E402
 
 VOCAB = 160
 

@@ -20,7 +20,7 @@ from ferryman_engine_vllm.config import VLLMEngineConfig  # noqa: E402
 from ferryman_engine_vllm.cores import delta_from_output  # noqa: E402
 from ferryman_engine_vllm.engine import VLLMEngine, make_vllm_engine  # noqa: E402
 from ferryman_engine_vllm.testing import FakeVLLMCore  # noqa: E402
-from ferryman_engine_vllm.weights import check_bucket, read_checkpoint_spec  # noqa: E402
+from ferryman.engine_checks import check_bucket, read_checkpoint_spec  # noqa: E402
 from ferryman_engine_vllm.worker import decode_item, encode_bucket  # noqa: E402
 
 

@@ -1,15 +1,32 @@
 """Input checks every engine plugin makes the same way: a generate request, and the
 ``(name, tensor)`` pairs of a weight load. Engines call these first so that bad input gets a
-ValueError naming the problem and changes nothing."""
+ValueError naming the problem and changes nothing.
+
+A GPU engine's own ``load_weights`` (vLLM's, SGLang's) stops at the first unknown name or wrong
+shape after loading the tensors before it, so an engine checks every bucket first against the
+checkpoint it was started from: :func:`read_checkpoint_spec` reads the names and shapes from the
+safetensors headers of ``model_path`` (no tensor data), :func:`check_bucket` validates a bucket
+against them."""
 
 from __future__ import annotations
 
+import json
+import struct
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ferryman.types import SamplingParams
 
-__all__ = ["check_generate_request", "resolve_param_name", "check_named_tensors"]
+__all__ = [
+    "check_generate_request",
+    "resolve_param_name",
+    "check_named_tensors",
+    "CheckpointSpec",
+    "read_checkpoint_spec",
+    "check_bucket",
+]
 
 
 def check_generate_request(
@@ -97,3 +114,71 @@ def check_named_tensors(
         shown = "; ".join(problems[:10]) + (f"; ... ({len(problems)} problems)" if len(problems) > 10 else "")
         raise ValueError(f"{who}: nothing loaded: {shown}")
     return out
+
+
+_MAX_HEADER = 100 * 2**20
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    shapes: dict[str, tuple[int, ...]]
+    """Parameter name (as in the checkpoint / the trainer's state dict) to shape."""
+    vocab_size: int | None
+    max_position_embeddings: int | None
+    num_layers: int | None
+    experts_per_token: int | None
+    """MoE models: experts per token (``num_experts_per_tok``), for ``routed_experts``."""
+
+
+def _header(path: Path) -> dict[str, Any]:
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: not a safetensors file (too short)")
+        (length,) = struct.unpack("<Q", raw)
+        if length > _MAX_HEADER:
+            raise ValueError(f"{path}: safetensors header of {length} bytes is not plausible")
+        return json.loads(f.read(length))
+
+
+def read_checkpoint_spec(model_path: str | Path) -> CheckpointSpec:
+    """Names and shapes of the tensors in ``model_path`` (``*.safetensors``), plus the
+    ``lm_head.weight`` a trainer sends for a model with tied embeddings."""
+    root = Path(model_path)
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {str(root)!r}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        for name, meta in _header(file).items():
+            if name != "__metadata__":
+                shapes[name] = tuple(int(d) for d in meta["shape"])
+    config: dict[str, Any] = {}
+    if (root / "config.json").is_file():
+        config = json.loads((root / "config.json").read_text())
+    text = config.get("text_config") or config
+    tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings"))
+    if tied and "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:
+        shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
+
+    def num(key: str) -> int | None:
+        value = text.get(key)
+        return int(value) if value else None
+
+    return CheckpointSpec(
+        shapes=shapes,
+        vocab_size=num("vocab_size"),
+        max_position_embeddings=num("max_position_embeddings"),
+        num_layers=num("num_hidden_layers"),
+        experts_per_token=num("num_experts_per_tok"),
+    )
+
+
+def check_bucket(named_tensors: Any, spec: CheckpointSpec) -> list[tuple[str, Any]]:
+    """Validate a bucket; return it as ``(checkpoint name, tensor)`` pairs. Raises ValueError
+    listing every problem when anything is wrong (nothing is loaded then)."""
+    try:
+        items = list(named_tensors)
+    except TypeError:
+        raise ValueError(f"load_weights: expected a list of (name, tensor) pairs, got {type(named_tensors).__name__}") from None
+    return check_named_tensors(items, spec.shapes, who="load_weights", require_float=True)

@@ -45,12 +45,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ferryman.engine_checks import check_generate_request
+from ferryman.engine_checks import CheckpointSpec, check_bucket, check_generate_request, read_checkpoint_spec
 from ferryman.streaming import TokenSink, safe_sink
 from ferryman.types import SamplingParams, StopReason, TokenOutput
 from ferryman_engine_sglang.api import EXTRA_HINT, SGLangAPI, load_sglang, sglang_available
 from ferryman_engine_sglang.config import SGLangEngineConfig
-from ferryman_engine_sglang.weights import CheckpointSpec, check_bucket, read_checkpoint_spec
 
 log = logging.getLogger(__name__)
 

@@ -36,11 +36,10 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from typing import Any
 
-from ferryman.engine_checks import check_generate_request
+from ferryman.engine_checks import CheckpointSpec, check_bucket, check_generate_request, read_checkpoint_spec
 from ferryman.types import SamplingParams, StopReason, TokenOutput
 from ferryman_engine_vllm.config import VLLMEngineConfig
 from ferryman_engine_vllm.cores import Delta, OnDelta, OnError, ProcessCore, ThreadCore
-from ferryman_engine_vllm.weights import CheckpointSpec, check_bucket, read_checkpoint_spec
 
 log = logging.getLogger(__name__)
 
