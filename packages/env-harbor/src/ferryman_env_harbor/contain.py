@@ -326,21 +326,22 @@ def path_allowed(target: str, prefix: str) -> bool:
     return not any(seg in (".", "..") for seg in path.split("/"))
 
 
-# ---------------------------------------------------------------------------- the session forwarder
-class SessionForwarder:
-    """Relays HTTP requests from inside a sandbox to the proxy, only under ``prefix``."""
+# ---------------------------------------------------------------------------- relays
+class _Relay:
+    """An asyncio TCP server on a given socket that relays each connection somewhere; the
+    subclass's ``_relay`` does one connection's work. Here: the connection limit (503 over it),
+    the bookkeeping of running connections (cancelled on close) and the cleanup of both ends."""
 
-    def __init__(self, sock: socket.socket, upstream: tuple[str, int], prefix: str, *,
-                 max_body_bytes: int = 16 * MiB, max_connections: int = 32) -> None:
+    busy_message = "too many connections"
+
+    def __init__(self, sock: socket.socket, max_connections: int) -> None:
         self.sock = sock
-        self.upstream = upstream
-        self.prefix = prefix
-        self.max_body_bytes = max_body_bytes
         self.max_connections = max_connections
         self.counters: Counter[str] = Counter()
         self._server: asyncio.AbstractServer | None = None
         self._open = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._upstream: dict[asyncio.Task[Any] | None, asyncio.StreamWriter] = {}
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, sock=self.sock, limit=MAX_HEAD_BYTES)
@@ -354,59 +355,85 @@ class SessionForwarder:
         with contextlib.suppress(Exception):
             self.sock.close()
 
+    async def _connect(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Open the upstream connection of this connection (closed with it)."""
+        up_r, up_w = await asyncio.open_connection(host, port)
+        self._upstream[asyncio.current_task()] = up_w
+        return up_r, up_w
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
         self._open += 1
-        up_w: asyncio.StreamWriter | None = None
         try:
             if self._open > self.max_connections:
                 self.counters["refused/connections"] += 1
-                return await _send_error(writer, 503, "Service Unavailable", "too many connections from this sandbox")
-            head = await _read_head(reader)
-            if isinstance(head, str):
-                if head != "eof":
-                    self.counters[f"refused/{head}"] += 1
-                    await _send_error(writer, int(head), "Bad Request" if head == "400" else "Request Header Fields Too Large",
-                                      "malformed or oversized request head")
-                return
-            method, target, version, headers = head
-            if not path_allowed(target, self.prefix):
-                self.counters["refused/path"] += 1
-                return await _send_error(writer, 403, "Forbidden", "this sandbox may only reach its own proxy session")
-            names = {k.lower(): v for k, v in headers}
-            if "transfer-encoding" in names:
-                self.counters["refused/chunked"] += 1
-                return await _send_error(writer, 411, "Length Required", "chunked request bodies are not forwarded")
-            try:
-                length = int(names.get("content-length", "0"))
-            except ValueError:
-                length = -1
-            if length < 0:
-                self.counters["refused/400"] += 1
-                return await _send_error(writer, 400, "Bad Request", "bad Content-Length")
-            if length > self.max_body_bytes:
-                self.counters["refused/413"] += 1
-                return await _send_error(writer, 413, "Payload Too Large", f"request body over {self.max_body_bytes} bytes")
-            keep = [(k, v) for k, v in headers if k.lower() not in ("connection", "keep-alive", "proxy-connection",
-                                                                     "proxy-authorization", "upgrade")]
-            out = f"{method} {target} {version}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in keep) + "Connection: close\r\n\r\n"
-            up_r, up_w = await asyncio.open_connection(*self.upstream)
-            up_w.write(out.encode("latin-1"))
-            sent = await _pipe(reader, up_w, length) if length else 0
-            if sent < length:
-                return
-            self.counters["forwarded"] += 1
-            await _pipe(up_r, writer)
+                await _send_error(writer, 503, "Service Unavailable", self.busy_message)
+            else:
+                await self._relay(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             self.counters["errors"] += 1
         finally:
             self._open -= 1
-            _close(up_w)
+            _close(self._upstream.pop(task, None))
             _close(writer)
             if task is not None:
                 self._tasks.discard(task)
+
+
+# ---------------------------------------------------------------------------- the session forwarder
+class SessionForwarder(_Relay):
+    """Relays HTTP requests from inside a sandbox to the proxy, only under ``prefix``."""
+
+    busy_message = "too many connections from this sandbox"
+
+    def __init__(self, sock: socket.socket, upstream: tuple[str, int], prefix: str, *,
+                 max_body_bytes: int = 16 * MiB, max_connections: int = 32) -> None:
+        super().__init__(sock, max_connections)
+        self.upstream = upstream
+        self.prefix = prefix
+        self.max_body_bytes = max_body_bytes
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await _read_head(reader)
+        if isinstance(head, str):
+            if head != "eof":
+                self.counters[f"refused/{head}"] += 1
+                await _send_error(writer, int(head), "Bad Request" if head == "400" else "Request Header Fields Too Large",
+                                  "malformed or oversized request head")
+            return
+        method, target, version, headers = head
+        if not path_allowed(target, self.prefix):
+            self.counters["refused/path"] += 1
+            return await _send_error(writer, 403, "Forbidden", "this sandbox may only reach its own proxy session")
+        names = {k.lower(): v for k, v in headers}
+        if "transfer-encoding" in names:
+            self.counters["refused/chunked"] += 1
+            return await _send_error(writer, 411, "Length Required", "chunked request bodies are not forwarded")
+        try:
+            length = int(names.get("content-length", "0"))
+        except ValueError:
+            length = -1
+        if length < 0:
+            self.counters["refused/400"] += 1
+            return await _send_error(writer, 400, "Bad Request", "bad Content-Length")
+        if length > self.max_body_bytes:
+            self.counters["refused/413"] += 1
+            return await _send_error(writer, 413, "Payload Too Large", f"request body over {self.max_body_bytes} bytes")
+        keep = [(k, v) for k, v in headers if k.lower() not in ("connection", "keep-alive", "proxy-connection",
+                                                                 "proxy-authorization", "upgrade")]
+        out = f"{method} {target} {version}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in keep) + "Connection: close\r\n\r\n"
+        up_r, up_w = await self._connect(*self.upstream)
+        up_w.write(out.encode("latin-1"))
+        sent = await _pipe(reader, up_w, length) if length else 0
+        if sent < length:
+            return
+        self.counters["forwarded"] += 1
+        await _pipe(up_r, writer)
 
 
 # ---------------------------------------------------------------------------- egress
@@ -434,32 +461,15 @@ def egress_allowed(address: str) -> bool:
     return ip.is_global and not ip.is_multicast and ip not in _HOST_ADDRESSES
 
 
-class EgressProxy:
+class EgressProxy(_Relay):
     """An HTTP proxy (CONNECT, and absolute-form plain HTTP) that the host runs for a sandbox;
     ``policy(address)`` decides which resolved addresses may be reached (default
     :func:`egress_allowed`). The connection goes to the address that was checked, never to the
     name again (no DNS rebinding)."""
 
     def __init__(self, sock: socket.socket, policy: Callable[[str], bool] = egress_allowed, max_connections: int = 64) -> None:
-        self.sock = sock
+        super().__init__(sock, max_connections)
         self.policy = policy
-        self.max_connections = max_connections
-        self.counters: Counter[str] = Counter()
-        self._server: asyncio.AbstractServer | None = None
-        self._open = 0
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, sock=self.sock, limit=MAX_HEAD_BYTES)
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        for t in list(self._tasks):
-            t.cancel()
-        with contextlib.suppress(Exception):
-            self.sock.close()
 
     async def _resolve(self, host: str, port: int) -> str | None:
         host = host.strip("[]")
@@ -473,61 +483,45 @@ class EgressProxy:
             return ""
         return addresses[0]
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-        self._open += 1
-        up_w: asyncio.StreamWriter | None = None
-        try:
-            if self._open > self.max_connections:
-                return await _send_error(writer, 503, "Service Unavailable", "too many connections")
-            head = await _read_head(reader)
-            if isinstance(head, str):
-                return
-            method, target, version, headers = head
-            if method == "CONNECT":
-                host, _, port_s = target.rpartition(":")
-                rest = b""
-            else:
-                from urllib.parse import urlsplit
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await _read_head(reader)
+        if isinstance(head, str):
+            return
+        method, target, version, headers = head
+        if method == "CONNECT":
+            host, _, port_s = target.rpartition(":")
+            rest = b""
+        else:
+            from urllib.parse import urlsplit
 
-                u = urlsplit(target)
-                if u.scheme != "http" or not u.hostname:
-                    return await _send_error(writer, 400, "Bad Request", "only CONNECT and absolute http:// requests")
-                host, port_s = u.hostname, str(u.port or 80)
-                path = (u.path or "/") + (f"?{u.query}" if u.query else "")
-                keep = [(k, v) for k, v in headers if k.lower() not in ("connection", "keep-alive", "proxy-connection")]
-                rest = (f"{method} {path} {version}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in keep)
-                        + "Connection: close\r\n\r\n").encode("latin-1")
-            try:
-                port = int(port_s)
-            except ValueError:
-                return await _send_error(writer, 400, "Bad Request", "bad port")
-            address = await self._resolve(host, port)
-            if not address:
-                self.counters["refused"] += 1
-                why = "cannot resolve" if address is None else "destination is loopback, private or the host itself"
-                return await _send_error(writer, 403, "Forbidden", f"egress to {host}:{port} refused: {why}")
-            up_r, up_w = await asyncio.open_connection(address, port)
-            self.counters["connected"] += 1
-            if method == "CONNECT":
-                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                await writer.drain()
-            else:
-                up_w.write(rest)
-            pipes = [asyncio.ensure_future(_pipe(reader, up_w)), asyncio.ensure_future(_pipe(up_r, writer))]
-            try:  # either side closing ends the tunnel
-                await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for p in pipes:
-                    p.cancel()
-                await asyncio.gather(*pipes, return_exceptions=True)
-        except (ConnectionError, asyncio.IncompleteReadError, OSError):
-            self.counters["errors"] += 1
+            u = urlsplit(target)
+            if u.scheme != "http" or not u.hostname:
+                return await _send_error(writer, 400, "Bad Request", "only CONNECT and absolute http:// requests")
+            host, port_s = u.hostname, str(u.port or 80)
+            path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+            keep = [(k, v) for k, v in headers if k.lower() not in ("connection", "keep-alive", "proxy-connection")]
+            rest = (f"{method} {path} {version}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in keep)
+                    + "Connection: close\r\n\r\n").encode("latin-1")
+        try:
+            port = int(port_s)
+        except ValueError:
+            return await _send_error(writer, 400, "Bad Request", "bad port")
+        address = await self._resolve(host, port)
+        if not address:
+            self.counters["refused"] += 1
+            why = "cannot resolve" if address is None else "destination is loopback, private or the host itself"
+            return await _send_error(writer, 403, "Forbidden", f"egress to {host}:{port} refused: {why}")
+        up_r, up_w = await self._connect(address, port)
+        self.counters["connected"] += 1
+        if method == "CONNECT":
+            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            await writer.drain()
+        else:
+            up_w.write(rest)
+        pipes = [asyncio.ensure_future(_pipe(reader, up_w)), asyncio.ensure_future(_pipe(up_r, writer))]
+        try:  # either side closing ends the tunnel
+            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            self._open -= 1
-            _close(up_w)
-            _close(writer)
-            if task is not None:
-                self._tasks.discard(task)
+            for p in pipes:
+                p.cancel()
+            await asyncio.gather(*pipes, return_exceptions=True)
