@@ -100,6 +100,22 @@ def test_carried_wheels_are_the_export_less_the_machine_and_the_named_optional_o
     assert set(everything) - set(carried) == skipped & set(export)
 
 
+@needs_uv
+def test_two_extras_carry_both_stacks_and_with_carries_a_named_optional_one():
+    tool = _tool()
+    vllm = dict(tool.carried("vllm"))
+    both = dict(tool.carried(["vllm", "megatron"]))
+    # megatron-core joins the vLLM set; nothing of the vLLM set is dropped
+    assert "megatron-core" in both and "megatron-core" not in vllm
+    assert set(vllm) <= set(both)
+    # --with harbor --with litellm: exactly those two more (what they need is carried already)
+    harbor = dict(tool.carried(["vllm", "megatron"], keep=["harbor", "LiteLLM"]))
+    assert set(harbor) - set(both) == {"harbor", "litellm"}
+    assert "supabase" not in harbor  # still left behind: not named
+    with pytest.raises(SystemExit, match="--with not-a-package"):
+        tool.carried("vllm", keep=["not-a-package"])
+
+
 def test_pack_splits_big_wheels_and_keeps_every_folder_under_the_limit(tmp_path):
     tool = _tool()
     src = tmp_path / "src"

@@ -2,12 +2,15 @@
 
     uv run python tools/gpu_wheels.py list [--extra vllm]          # what would be carried
     uv run python tools/gpu_wheels.py download [--extra vllm] DIR  # DIR/c1 ... DIR/cN, each <= 56 MiB
+    ... --extra vllm --extra megatron                              # two stacks in one set
+    ... --with harbor --with litellm                               # carry these named ones too
 
 The list is ``uv export --frozen --extra EXTRA`` (the stack, ferryman's own needs, the dev group
 for the tests, and the ``gpu-build`` group so the workspace packages can be installed there)
 for Linux x86-64 and CPython 3.12, minus what the GPU machine already has at the locked version
 (``tools/gpu-machine-packages.txt``), minus the optional packages named with their reasons in
-``tools/gpu-not-carried.txt`` (``--all`` carries those too). ``download`` fetches exactly those pinned wheels from the
+``tools/gpu-not-carried.txt`` (``--with NAME`` carries one of those and what only it needs,
+``--all`` all of them). ``download`` fetches exactly those pinned wheels from the
 package index, splits any wheel over 56 MiB into parts, and packs the files into folders of at
 most 56 MiB, one folder per device call (a call carries 64 MiB). ``DIR/MANIFEST`` lists every
 wheel with its sha256; ``tools/gpu-install.sh`` on the GPU machine joins the parts, checks the
@@ -24,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from packaging.markers import Marker
@@ -50,9 +54,14 @@ PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64
 ]
 
 
-def not_carried(extra: str, path: Path = NOT_CARRIED) -> set[str]:
-    """Names left behind on purpose for ``extra`` (each with its reason in the file): the names
-    under ``[EXTRA]`` and under ``[all]``."""
+def _extras(extra: str | Sequence[str]) -> list[str]:
+    return [extra] if isinstance(extra, str) else list(extra)
+
+
+def not_carried(extra: str | Sequence[str], path: Path = NOT_CARRIED) -> set[str]:
+    """Names left behind on purpose for ``extra`` (one extra or several; each name with its
+    reason in the file): the names under ``[EXTRA]`` and under ``[all]``."""
+    wanted = {"all", *_extras(extra)}
     names: set[str] = set()
     section = "all"
     for line in path.read_text().splitlines():
@@ -62,7 +71,7 @@ def not_carried(extra: str, path: Path = NOT_CARRIED) -> set[str]:
         if line.startswith("[") and line.endswith("]"):
             section = line[1:-1].strip()
             continue
-        if section in ("all", extra):
+        if section in wanted:
             names.add(canonicalize_name(line))
     return names
 
@@ -79,10 +88,11 @@ def machine_packages(path: Path = MACHINE) -> dict[str, str | None]:
     return out
 
 
-def export(extra: str) -> list[tuple[str, str]]:
-    """(name, version) pins of the lock's export for ``extra`` that apply to the GPU machine."""
+def export(extra: str | Sequence[str]) -> list[tuple[str, str]]:
+    """(name, version) pins of the lock's export for ``extra`` (one or several) that apply to
+    the GPU machine."""
     cmd = ["uv", "export", "--frozen", "--no-hashes", "--no-emit-workspace", "--no-annotate", "--no-header",
-           "--extra", extra, "--group", "gpu-build"]
+           *(a for e in _extras(extra) for a in ("--extra", e)), "--group", "gpu-build"]
     text = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
     pins = []
     for raw in text.splitlines():
@@ -99,18 +109,31 @@ def export(extra: str) -> list[tuple[str, str]]:
     return sorted(set(pins))
 
 
-def carried(extra: str, machine: dict[str, str | None] | None = None, *, everything: bool = False) -> list[tuple[str, str]]:
+def carried(
+    extra: str | Sequence[str],
+    machine: dict[str, str | None] | None = None,
+    *,
+    everything: bool = False,
+    keep: Sequence[str] = (),
+) -> list[tuple[str, str]]:
     """The export minus what the machine has at the locked version (or at an unknown one),
-    minus the packages of ``tools/gpu-not-carried.txt`` unless ``everything``. Names in that
-    file but not in the export are an error (the file would silently go stale)."""
+    minus the packages of ``tools/gpu-not-carried.txt`` unless ``everything``, or unless named
+    in ``keep``. Names in that file (or in ``keep``) but not in the export are an error (the
+    file would silently go stale)."""
     machine = machine_packages() if machine is None else machine
     pins = export(extra)
+    have = {n for n, _ in pins}
     skip: set[str] = set()
     if not everything:
         skip = not_carried(extra)
-        stale = sorted(skip - {n for n, _ in pins})
+        stale = sorted(skip - have)
         if stale:
-            raise SystemExit(f"gpu_wheels: {NOT_CARRIED.name} names packages the {extra!r} export lacks: {', '.join(stale)}")
+            raise SystemExit(f"gpu_wheels: {NOT_CARRIED.name} names packages the {'+'.join(_extras(extra))!r} export lacks: {', '.join(stale)}")
+        keep_names = {canonicalize_name(k) for k in keep}
+        unknown = sorted(keep_names - skip)
+        if unknown:
+            raise SystemExit(f"gpu_wheels: --with {', '.join(unknown)}: not a package that {NOT_CARRIED.name} leaves behind")
+        skip -= keep_names
     return [(n, v) for n, v in pins if not (n in machine and machine[n] in (None, v)) and n not in skip]
 
 
@@ -131,8 +154,8 @@ def _pip_python() -> str:
     raise SystemExit("gpu_wheels: no Python with pip found (pip download fetches the wheels)")
 
 
-def download(extra: str, out: Path, cache: Path, everything: bool = False) -> None:
-    pins = carried(extra, everything=everything)
+def download(extra: str | Sequence[str], out: Path, cache: Path, everything: bool = False, keep: Sequence[str] = ()) -> None:
+    pins = carried(extra, everything=everything, keep=keep)
     cache.mkdir(parents=True, exist_ok=True)
     reqs = cache / "requirements.txt"
     reqs.write_text("".join(f"{n}=={v}\n" for n, v in pins))
@@ -206,19 +229,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("list", help="print NAME==VERSION of every wheel that would be carried")
-    ls.add_argument("--extra", default="vllm")
+    ls.add_argument("--extra", action="append", help="a root extra (repeatable; default vllm)")
+    ls.add_argument("--with", dest="keep", action="append", default=[], metavar="NAME", help="also carry this package of tools/gpu-not-carried.txt (repeatable)")
     ls.add_argument("--all", action="store_true", help="also the packages of tools/gpu-not-carried.txt")
     dl = sub.add_parser("download", help="download and pack the wheels into DIR/c1 ... DIR/cN")
-    dl.add_argument("--extra", default="vllm")
+    dl.add_argument("--extra", action="append", help="a root extra (repeatable; default vllm)")
+    dl.add_argument("--with", dest="keep", action="append", default=[], metavar="NAME", help="also carry this package of tools/gpu-not-carried.txt (repeatable)")
     dl.add_argument("--all", action="store_true", help="also the packages of tools/gpu-not-carried.txt")
     dl.add_argument("--cache", default=str(ROOT / ".gpuwheels-cache"), help="download cache (default .gpuwheels-cache)")
     dl.add_argument("dir", nargs="?", default=str(ROOT / ".gpuwheels"))
     args = p.parse_args(argv)
+    extras = args.extra or ["vllm"]
     if args.cmd == "list":
-        for n, v in carried(args.extra, everything=args.all):
+        for n, v in carried(extras, everything=args.all, keep=args.keep):
             print(f"{n}=={v}")
         return 0
-    download(args.extra, Path(args.dir), Path(args.cache), everything=args.all)
+    download(extras, Path(args.dir), Path(args.cache), everything=args.all, keep=args.keep)
     return 0
 
 
