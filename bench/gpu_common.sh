@@ -31,3 +31,57 @@ FERRYMAN=(python3 -m ferryman.cli)
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, vllm, ray, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"
 } > "$WORK/machine.txt" 2>&1
+
+# Time limits that hold for a whole process tree. A command started by `run_limited` runs in a
+# session of its own (setsid); Ray's raylet, GCS and workers, which a driver's local Ray starts,
+# stay in that session, though each worker has a process group of its own (so `kill -- -PGID` of
+# the driver's group alone leaves them running, holding the GPU).
+#
+#   run_limited LIMIT_S SIGNAL GRACE_S LOG CMD...
+#
+# runs CMD (output appended to LOG); when it is still running after LIMIT_S seconds, sends SIGNAL
+# to CMD itself (INT: stop; TERM: ferryman saves a checkpoint at the next sync and exits 75; not
+# to its process group, which holds the local Ray's GCS and raylet that the checkpoint still
+# needs), and after GRACE_S more seconds SIGKILLs every process left in its session; then waits
+# until none is left. Returns CMD's exit status, or 124 when it was stopped at the limit and had
+# not exited by itself within the grace (then the status it gave is lost); RUN_LIMITED_HIT=1
+# when the limit was reached.
+session_pids() { ps -eo pid=,sid=,stat= | awk -v s="$1" '$2 == s && $3 !~ /^Z/ {print $1}'; }  # zombies are dead already
+kill_session() {
+  local sid=$1 i pids
+  for i in $(seq 60); do
+    pids=$(session_pids "$sid")
+    [ -z "$pids" ] && return 0
+    # shellcheck disable=SC2086
+    kill -KILL $pids 2>/dev/null
+    sleep 0.5
+  done
+  echo "kill_session $sid: processes still there: $(session_pids "$sid" | tr '\n' ' ')" >&2
+  return 1
+}
+run_limited() {
+  local limit=$1 sig=$2 grace=$3 log=$4 pid t0 rc=""
+  shift 4
+  RUN_LIMITED_HIT=0  # set to 1 when CMD was still running at the limit
+  # not a process-group leader here (no job control in a script), so setsid runs CMD in this
+  # very process: $! is CMD's pid and its session's id
+  setsid "$@" >> "$log" 2>&1 < /dev/null &
+  pid=$!
+  t0=$SECONDS
+  while kill -0 "$pid" 2>/dev/null && (( SECONDS - t0 < limit )); do sleep 1; done
+  if kill -0 "$pid" 2>/dev/null; then
+    RUN_LIMITED_HIT=1
+    echo "run_limited: $(basename "$1") still running after ${limit}s: SIG$sig" | tee -a "$log" >&2
+    kill -s "$sig" "$pid" 2>/dev/null  # the driver only: its process group holds Ray's GCS and raylet too
+    t0=$SECONDS
+    while kill -0 "$pid" 2>/dev/null && (( SECONDS - t0 < grace )); do sleep 1; done
+    if kill -0 "$pid" 2>/dev/null; then
+      echo "run_limited: no exit ${grace}s after SIG$sig: SIGKILL to its session" | tee -a "$log" >&2
+      rc=124
+    fi
+  fi
+  kill_session "$pid"
+  wait "$pid"
+  local got=$?
+  return "${rc:-$got}"
+}
