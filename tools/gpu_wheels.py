@@ -2,6 +2,7 @@
 
     uv run python tools/gpu_wheels.py list [--extra vllm]          # what would be carried
     uv run python tools/gpu_wheels.py download [--extra vllm] DIR  # DIR/c1 ... DIR/cN, each <= 56 MiB
+    uv run python tools/gpu_wheels.py download --only pyzmq DIR    # only these (of the carried set)
 
 The list is ``uv export --frozen --extra EXTRA`` (the stack, ferryman's own needs, the dev group
 for the tests, and the ``gpu-build`` group so the workspace packages can be installed there)
@@ -114,6 +115,15 @@ def carried(extra: str, machine: dict[str, str | None] | None = None, *, everyth
     return [(n, v) for n, v in pins if not (n in machine and machine[n] in (None, v)) and n not in skip]
 
 
+def only(pins: list[tuple[str, str]], names: str) -> list[tuple[str, str]]:
+    """The pins named in ``names`` (comma-separated); a name the carried set lacks is an error."""
+    want = {canonicalize_name(n) for n in names.split(",") if n.strip()}
+    missing = sorted(want - {n for n, _ in pins})
+    if missing:
+        raise SystemExit(f"gpu_wheels: --only names wheels that are not carried: {', '.join(missing)}")
+    return [(n, v) for n, v in pins if n in want]
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -131,8 +141,10 @@ def _pip_python() -> str:
     raise SystemExit("gpu_wheels: no Python with pip found (pip download fetches the wheels)")
 
 
-def download(extra: str, out: Path, cache: Path, everything: bool = False) -> None:
+def download(extra: str, out: Path, cache: Path, everything: bool = False, names: str | None = None) -> None:
     pins = carried(extra, everything=everything)
+    if names:
+        pins = only(pins, names)
     cache.mkdir(parents=True, exist_ok=True)
     reqs = cache / "requirements.txt"
     reqs.write_text("".join(f"{n}=={v}\n" for n, v in pins))
@@ -212,13 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     dl.add_argument("--extra", default="vllm")
     dl.add_argument("--all", action="store_true", help="also the packages of tools/gpu-not-carried.txt")
     dl.add_argument("--cache", default=str(ROOT / ".gpuwheels-cache"), help="download cache (default .gpuwheels-cache)")
+    dl.add_argument("--only", default=None, help="comma-separated names: download only these of the carried wheels")
     dl.add_argument("dir", nargs="?", default=str(ROOT / ".gpuwheels"))
     args = p.parse_args(argv)
     if args.cmd == "list":
         for n, v in carried(args.extra, everything=args.all):
             print(f"{n}=={v}")
         return 0
-    download(args.extra, Path(args.dir), Path(args.cache), everything=args.all)
+    download(args.extra, Path(args.dir), Path(args.cache), everything=args.all, names=args.only)
     return 0
 
 
