@@ -20,10 +20,18 @@ The ratio ``ours / copy`` is the figure asked for. After the last sync the engin
 are checked bit for bit against the sent ones (per-tensor lane sums on both sides); the exit
 status is 1 if they differ.
 
-Needs torch only (no Ray, no pydantic; pyzmq if present, else the TCPStore channel):
+Needs torch only (no Ray, no pydantic) and pyzmq for the ZeroMQ channel, the transport's
+default: where pyzmq cannot be imported the script installs it from a wheel under ``--wheels``
+(default: ``.gpuwheels*`` folders of this checkout, then ``$WHEEL_DIR`` or ``/root/w``), and
+refuses to run without it unless ``--metadata store`` is asked for. One call, at most about 3
+minutes (``--time-limit``, default 170 s: past it the script stops itself, keeping what it
+measured), prints the ratio to the copy for 512 MiB and 1 GiB buckets:
 
+    # here (once): the pyzmq wheel of the lock, 1 MiB
+    uv run python tools/gpu_wheels.py download --only pyzmq .gpuwheels-zmq
+    # on the GPU machine
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-        PYTHONPATH=packages/sync-nccl/src:packages/core/src python3 bench/gpu_sync_ipc.py
+        python3 bench/gpu_sync_ipc.py --json $OUT/gpu_sync_ipc.json
     # CPU (host shared memory), a small Qwen2-shaped set:
     .venv/bin/python bench/gpu_sync_ipc.py --device cpu
 """
@@ -47,6 +55,43 @@ for sub in ("packages/sync-nccl/src", "packages/core/src"):
     if p not in sys.path:
         sys.path.insert(0, p)
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "packages/sync-nccl/src"), str(ROOT / "packages/core/src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+
+
+
+def _ensure_zmq(argv: list[str]) -> str | None:
+    """Make pyzmq importable (here and in the engine process): install its wheel from the
+    wheel folders into a private directory if needed. Returns where it came from."""
+    try:
+        import zmq  # noqa: F401
+
+        return "installed"
+    except ImportError:
+        pass
+    import glob
+    import tempfile
+    import zipfile
+
+    roots = [a.split("=", 1)[1] for a in argv if a.startswith("--wheels=")]
+    roots += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--wheels"]
+    roots += sorted(glob.glob(str(ROOT / ".gpuwheels*"))) + [os.environ.get("WHEEL_DIR", "/root/w")]
+    for root in roots:
+        wheels = sorted(glob.glob(os.path.join(root, "**", "pyzmq-*.whl"), recursive=True))
+        if not wheels:
+            continue
+        target = tempfile.mkdtemp(prefix="ferryman-zmq-")
+        try:  # a wheel is a zip of what goes into site-packages (pyzmq's bundles libzmq)
+            with zipfile.ZipFile(wheels[-1]) as z:
+                z.extractall(target)
+        except (OSError, zipfile.BadZipFile) as e:
+            print(f"unpacking {wheels[-1]} failed: {e}", flush=True)
+            continue
+        sys.path.insert(0, target)
+        os.environ["PYTHONPATH"] = os.pathsep.join([target, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        return wheels[-1]
+    return None
+
+
+ZMQ_FROM = _ensure_zmq(sys.argv[1:])
 
 import torch  # noqa: E402
 
@@ -110,7 +155,7 @@ async def ours(child: ProcessEngine, named: list, args: argparse.Namespace, buck
     try:
         for verify in args.verify_modes:
             cfg.verify = verify
-            updates, sends, loads, connect = [], [], [], 0.0
+            updates, sends, loads, acks, connect = [], [], [], [], 0.0
             for i in range(args.warmup + args.reps):
                 _sync(args.device == "cuda")
                 t0 = time.perf_counter()
@@ -122,16 +167,20 @@ async def ours(child: ProcessEngine, named: list, args: argparse.Namespace, buck
                     updates.append(dt)
                     sends.append(m["sync/send_s"])
                     loads.append(m["sync/receiver_load_s_max"])
-            out["verify" if verify else "plain"] = {"update_s": updates, "send_s": sends, "load_s": loads, "buckets": m["sync/buckets"], "connect_s": connect}
+                    acks.append(m.get("sync/ack_wait_s", float("nan")))
+            traffic = {k.split("/", 1)[1]: m[k] for k in ("sync/sender_messages", "sync/sender_store_requests", "sync/receiver_messages_max", "sync/receiver_store_requests_max") if k in m}
+            out["verify" if verify else "plain"] = {"update_s": updates, "send_s": sends, "load_s": loads, "ack_wait_s": acks, "buckets": m["sync/buckets"], "connect_s": connect, "traffic": traffic}
         out["last_version"] = version - 1
     finally:
         transport.close()
     return out
 
 
-async def main(args: argparse.Namespace) -> dict[str, Any]:
+async def main(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     cuda = args.device == "cuda"
     torch.set_num_threads(args.threads)
+    if args.metadata == "zmq" and not have("zmq"):
+        raise SystemExit("pyzmq cannot be imported and no pyzmq wheel was found (see --wheels); --metadata store runs without it")
     metadata = args.metadata if args.metadata != "auto" else ("zmq" if have("zmq") else "store")
     spec = dict(MODELS[args.model])
     if args.layers is not None:
@@ -145,8 +194,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     named = list(params.items())
     nbytes = sum(t.numel() * t.element_size() for t in params.values())
     print(f"parameter set: {args.model} ({spec['layers']} layers), {len(named)} tensors, {nbytes / 1e9:.3f} GB bf16", flush=True)
-    print(f"buffers on {dev}, metadata {metadata}; the engine is a separate process on the same device", flush=True)
-    res: dict[str, Any] = {"bytes": nbytes, "tensors": len(named), "model": args.model, "layers": spec["layers"], "metadata": metadata, "runs": []}
+    print(f"buffers on {dev}, metadata {metadata} (pyzmq: {ZMQ_FROM or 'none'}); the engine is a separate process on the same device", flush=True)
+    res.update({"bytes": nbytes, "tensors": len(named), "model": args.model, "layers": spec["layers"], "metadata": metadata, "runs": []})
     res.update(copies(params, args))
     gb = nbytes / 1e9
     one, per = _med(res["copy_one_s"]), _med(res["copy_per_tensor_s"])
@@ -158,6 +207,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     )
     t = time.perf_counter()
     await child.start()
+    res["_children"] = [child.pid] if child.pid else []
     print(f"engine process up in {time.perf_counter() - t:.1f}s", flush=True)
     try:
         version = 1
@@ -174,7 +224,19 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 if key in r:
                     upd = _med(r[key]["update_s"])
                     print(f"| cuda_ipc update ({label}) | {upd * 1e3:.2f} ms | {gb / upd:.1f} | **{upd / one:.2f}x** | **{upd / per:.2f}x** |")
-            print(f"(buffers handed out once in {max(x['connect_s'] for x in r.values()):.2f}s, not counted)", flush=True)
+            print(f"(buffers handed out once in {max(x['connect_s'] for x in r.values()):.2f}s, not counted)")
+            for key, x in r.items():
+                nb = max(float(x["buckets"]), 1.0)
+                per_b = ", ".join(f"{k} {v / nb:.2f}" for k, v in x["traffic"].items())
+                print(f"per bucket ({key}): {per_b}; sender waited for acks {_med(x['ack_wait_s']) * 1e3:.2f} ms of the update")
+            res["partial"] = True
+            _write(args, res)
+            sys.stdout.flush()
+        res.pop("partial", None)
+        print("\nratio to a one-block copy (median update / copy):")
+        for run in res["runs"]:
+            parts = [f"{lab} {_med(run[k]['update_s']) / one:.2f}x" for k, lab in (("plain", "checksums off"), ("verify", "checksums on")) if k in run]
+            print(f"  {run['bucket_mb']:g} MiB buckets: " + ", ".join(parts))
         want = digest(params)
         got = await child.call("ferryman_sync_nccl.testing:engine_digest")
         res["bit_identical"] = got == want
@@ -193,27 +255,59 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if gpu else "cpu")
     ap.add_argument("--model", choices=tuple(MODELS), default=None, help="parameter shapes (default: 7b on cuda, small on cpu)")
     ap.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    ap.add_argument("--bucket-mb", default=None, help="comma-separated bucket sizes in MiB (default: 256,512,1024 on cuda; 4 on cpu)")
+    ap.add_argument("--bucket-mb", default=None, help="comma-separated bucket sizes in MiB (default: 512,1024 on cuda; 4 on cpu)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--verify", choices=("off", "on", "both"), default="both", help="checksums per bucket")
     ap.add_argument("--metadata", choices=("auto", "zmq", "store"), default="auto", help="auto: zmq if pyzmq is importable, else the TCPStore")
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=None, help="also write the raw timings here")
+    ap.add_argument("--json", default=None, help="also write the raw timings here (after each bucket size too)")
+    ap.add_argument("--wheels", default=None, help="folder with a pyzmq wheel, used when pyzmq cannot be imported")
+    ap.add_argument("--time-limit", type=float, default=170.0, help="seconds; past it the script stops (engine process included), keeping what it measured")
     args = ap.parse_args(argv)
     args.model = args.model or ("7b" if args.device == "cuda" else "small")
-    args.bucket_mb = [float(x) for x in (args.bucket_mb or ("256,512,1024" if args.device == "cuda" else "4")).split(",")]
+    args.bucket_mb = [float(x) for x in (args.bucket_mb or ("512,1024" if args.device == "cuda" else "4")).split(",")]
     args.verify_modes = {"off": [False], "on": [True], "both": [False, True]}[args.verify]
     if args.device == "cuda" and not gpu:
         ap.error("--device cuda needs a GPU")
     return args
 
 
+def _write(args: argparse.Namespace, res: dict[str, Any]) -> None:
+    if args.json:
+        Path(args.json).write_text(json.dumps({k: v for k, v in res.items() if not k.startswith("_")}, indent=1))
+
+
+def _watchdog(args: argparse.Namespace, res: dict[str, Any]) -> None:
+    """Past ``--time-limit``: write what was measured, kill the engine process and exit."""
+    import signal
+    import threading
+
+    def fire() -> None:
+        print(f"\ntime limit of {args.time_limit:g}s reached: stopping (results so far kept)", flush=True)
+        res["timed_out"] = True
+        try:
+            _write(args, res)
+        finally:
+            for child in res.get("_children", []):
+                try:
+                    os.kill(child, signal.SIGKILL)
+                except OSError:
+                    pass
+            os._exit(124)
+
+    t = threading.Timer(args.time_limit, fire)
+    t.daemon = True
+    t.start()
+
+
 if __name__ == "__main__":
     args = parse()
     print(f"python {platform.python_version()}, torch {torch.__version__}, " + (torch.cuda.get_device_name(args.gpu) if args.device == "cuda" else f"{os.cpu_count()} CPUs"), flush=True)
-    res = asyncio.run(main(args))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+    res: dict[str, Any] = {}
+    _watchdog(args, res)
+    asyncio.run(main(args, res))
+    res.pop("_children", None)
+    _write(args, res)
     sys.exit(0 if res.get("bit_identical") else 1)

@@ -115,6 +115,15 @@ def test_two_extras_carry_both_stacks_and_with_carries_a_named_optional_one():
     with pytest.raises(SystemExit, match="--with not-a-package"):
         tool.carried("vllm", keep=["not-a-package"])
 
+def test_pyzmq_is_carried_for_the_weight_syncs_default_channel():
+    # the sync transports' default metadata channel is ZeroMQ; without pyzmq there they fall back
+    # to the TCPStore (several round trips per bucket)
+    tool = _tool()
+    pins = tool.carried("vllm")
+    assert [n for n, _ in tool.only(pins, "pyzmq")] == ["pyzmq"]
+    with pytest.raises(SystemExit, match="not carried: no-such-wheel"):
+        tool.only(pins, "pyzmq,no-such-wheel")
+
 
 def test_pack_splits_big_wheels_and_keeps_every_folder_under_the_limit(tmp_path):
     tool = _tool()

@@ -4,6 +4,7 @@
     uv run python tools/gpu_wheels.py download [--extra vllm] DIR  # DIR/c1 ... DIR/cN, each <= 56 MiB
     ... --extra vllm --extra megatron                              # two stacks in one set
     ... --with harbor --with litellm                               # carry these named ones too
+    uv run python tools/gpu_wheels.py download --only pyzmq DIR    # only these (of the carried set)
 
 The list is ``uv export --frozen --extra EXTRA`` (the stack, ferryman's own needs, the dev group
 for the tests, and the ``gpu-build`` group so the workspace packages can be installed there)
@@ -137,6 +138,15 @@ def carried(
     return [(n, v) for n, v in pins if not (n in machine and machine[n] in (None, v)) and n not in skip]
 
 
+def only(pins: list[tuple[str, str]], names: str) -> list[tuple[str, str]]:
+    """The pins named in ``names`` (comma-separated); a name the carried set lacks is an error."""
+    want = {canonicalize_name(n) for n in names.split(",") if n.strip()}
+    missing = sorted(want - {n for n, _ in pins})
+    if missing:
+        raise SystemExit(f"gpu_wheels: --only names wheels that are not carried: {', '.join(missing)}")
+    return [(n, v) for n, v in pins if n in want]
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -154,8 +164,17 @@ def _pip_python() -> str:
     raise SystemExit("gpu_wheels: no Python with pip found (pip download fetches the wheels)")
 
 
-def download(extra: str | Sequence[str], out: Path, cache: Path, everything: bool = False, keep: Sequence[str] = ()) -> None:
+def download(
+    extra: str | Sequence[str],
+    out: Path,
+    cache: Path,
+    everything: bool = False,
+    keep: Sequence[str] = (),
+    names: str | None = None,
+) -> None:
     pins = carried(extra, everything=everything, keep=keep)
+    if names:
+        pins = only(pins, names)
     cache.mkdir(parents=True, exist_ok=True)
     reqs = cache / "requirements.txt"
     reqs.write_text("".join(f"{n}=={v}\n" for n, v in pins))
@@ -237,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     dl.add_argument("--with", dest="keep", action="append", default=[], metavar="NAME", help="also carry this package of tools/gpu-not-carried.txt (repeatable)")
     dl.add_argument("--all", action="store_true", help="also the packages of tools/gpu-not-carried.txt")
     dl.add_argument("--cache", default=str(ROOT / ".gpuwheels-cache"), help="download cache (default .gpuwheels-cache)")
+    dl.add_argument("--only", default=None, help="comma-separated names: download only these of the carried wheels")
     dl.add_argument("dir", nargs="?", default=str(ROOT / ".gpuwheels"))
     args = p.parse_args(argv)
     extras = args.extra or ["vllm"]
@@ -244,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         for n, v in carried(extras, everything=args.all, keep=args.keep):
             print(f"{n}=={v}")
         return 0
-    download(extras, Path(args.dir), Path(args.cache), everything=args.all, keep=args.keep)
+    download(extras, Path(args.dir), Path(args.cache), everything=args.all, keep=args.keep, names=args.only)
     return 0
 
 

@@ -168,15 +168,76 @@ async def test_nccl_without_a_gpu_is_a_clear_error(engines, make_transport):
 
 
 @pytest.mark.parametrize("metadata", ["zmq", "store"])
-async def test_closing_the_transport_stops_every_receiver(engines, make_transport, metadata):
+async def test_closing_the_transport_returns_once_every_receiver_left_and_freed_its_group(engines, make_transport, metadata):
+    # the close is a handshake: close -> each receiver leaves, frees its group, says bye ->
+    # only then the sender frees its group and its store (no receiver finds the store gone)
     t = make_transport(metadata=metadata)
     await t.transfer(_buckets(_weights(0)), engines, 1)
     receivers = [h._receivers.by_type["nccl"] for h in engines]
-    assert all(r.alive and r.version == 1 for r in receivers)
+    assert all(r.alive and r.version == 1 and r.pg is not None for r in receivers)
     t.close()
-    for _ in range(100):
-        if not any(r.alive for r in receivers):
-            break
-        await asyncio.sleep(0.05)
-    assert not any(r.alive for r in receivers)
+    assert not any(r.alive for r in receivers), "close returned before the receivers left"
     assert all(r.error is None for r in receivers), [r.error for r in receivers]
+    assert all(r.pg is None for r in receivers), "each receiver freed its group in its own thread"
+    assert t.session is None
+
+
+@pytest.mark.parametrize("metadata", ["zmq", "store"])
+async def test_closing_an_engine_stops_its_receiver_and_frees_its_group_before_close_returns(engines, make_transport, metadata):
+    # an idle receiver (even one on the TCPStore channel, which used to block in a day-long
+    # wait for the next key) notices the close at once; the engine's shutdown awaits its thread
+    t = make_transport(metadata=metadata)
+    await t.transfer(_buckets(_weights(0)), engines, 1)
+    receivers = [h._receivers.by_type["nccl"] for h in engines]
+    started = asyncio.get_running_loop().time()
+    for h in engines:
+        await h.shutdown()
+    assert asyncio.get_running_loop().time() - started < 3
+    assert not any(r.alive for r in receivers)
+    assert all(r.pg is None and r.error is None for r in receivers), [r.error for r in receivers]
+
+
+async def test_a_group_is_freed_only_after_its_last_collective_ended(engines, make_transport, monkeypatch):
+    """Fault injection: the sender announces a bucket and never broadcasts it, so every receiver
+    is left with a broadcast in flight when its wait gives up. That broadcast ends at the
+    group's own deadline (timeout_s, not the 30 s join timeout), and only then is the group
+    freed, by the receiver's thread; the engine's shutdown waits for that."""
+    import ferryman_sync_nccl.group as G
+    import ferryman_sync_nccl.sender as sender
+
+    started: list[tuple[object, object]] = []  # (group, work) of every broadcast
+    real_broadcast = G.broadcast
+
+    def broadcast(pg, tensor, root=0):
+        work = real_broadcast(pg, tensor, root)
+        started.append((pg, work))
+        return work
+
+    freed: list[bool] = []  # per group freed: had all its collectives ended?
+    real_free = G._free
+
+    def free(pg):
+        freed.append(all(w.is_completed() for g, w in started if g is pg))
+        real_free(pg)
+
+    monkeypatch.setattr(G, "broadcast", broadcast)
+    monkeypatch.setattr(G, "_free", free, raising=False)
+    t = make_transport(timeout_s=1.0, connect_timeout_s=30)
+    await t.transfer(_buckets(_weights(0)), engines, 1)
+    receivers = [h._receivers.by_type["nccl"] for h in engines]
+
+    def lost(self, sync, k, slot, buf, used, n, entries):
+        self.channel.publish({"op": "bucket", "sync": sync, "k": k, "nbytes": used, "entries": entries})
+
+    monkeypatch.setattr(sender._NcclSession, "ship", lost)
+    with pytest.raises(TransferError):
+        await t.transfer(_buckets(_weights(1)), engines, 2)
+    assert all(r.error and "collective failed" in r.error for r in receivers), [r.error for r in receivers]
+    t0 = asyncio.get_running_loop().time()
+    for h in engines:
+        await h.shutdown()
+    assert asyncio.get_running_loop().time() - t0 < 10, "the broadcast in flight ended at timeout_s, not at the 30 s join timeout"
+    assert not any(r.alive for r in receivers) and all(r.pg is None for r in receivers)
+    assert len(freed) >= 2 and all(freed), "a group was freed while one of its collectives ran"
+    for h in engines:
+        assert all(torch.equal(h._engine.weights[n], x) for n, x in _weights(0)), "version 1 stays loaded"

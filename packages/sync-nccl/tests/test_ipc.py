@@ -54,6 +54,7 @@ def make_transport():
     def make(**kw):
         kw.setdefault("device", "cpu")
         kw.setdefault("timeout_s", 10)
+        kw.setdefault("bucket_megabytes", 1)  # not the 1 GiB default: two such files in /dev/shm per test
         t = IpcSync(IpcSyncConfig(**kw))
         made.append(t)
         return t
@@ -123,6 +124,54 @@ async def test_a_buffer_is_refilled_only_after_every_receiver_is_done_with_it(ma
     # ...and bucket k+1 was packed while the receivers still held bucket k (double buffering)
     assert session_log.index(("ship", 1)) < session_log.index(("free", 0)), session_log
     assert m["sync/receiver_load_s_max"] >= slowest
+
+
+@pytest.mark.parametrize("metadata", ["zmq", "store"])
+@pytest.mark.parametrize("verify", [True, False])
+async def test_round_trips_and_device_waits_per_bucket(engines, make_transport, monkeypatch, metadata, verify):
+    """What a bucket costs beside its bytes, counted: on ZeroMQ no TCPStore request at all, one
+    metadata message from the sender and at most one (cumulative) ack from each receiver; on
+    the TCPStore at most 3 + R requests of the sender per bucket (the metadata key, one wait for
+    the acks of all R receivers, the deletion of those keys; the protocol before made 2 + 3R:
+    a wait, a read and a deletion per receiver). No wait for the device on the sender's side,
+    and on a receiver only the checksum's verdict (CPU copies here: the counts are the GPU's)."""
+    import ferryman_sync_nccl.group as G
+
+    waits = {"sender": 0, "receiver": 0}
+    real = G.wait_stream
+
+    def wait_stream(*a, **kw):
+        import threading
+
+        waits["sender" if threading.current_thread().name.startswith("ferryman-sync") else "receiver"] += 1
+        return real(*a, **kw)
+
+    shapes = {f"w{i}": (4096,) for i in range(12)}  # 16 KiB each, one per bucket
+    host = _host()
+    hs = [EngineHandle(f"count-{i}", engine=TensorDictEngine(shapes), plugin_host=host) for i in range(2)]
+    t = make_transport(metadata=metadata, verify=verify, bucket_megabytes=16 / 1024)
+    w = [(n, torch.full(s, float(i))) for i, (n, s) in enumerate(shapes.items())]
+    try:
+        await t.transfer(iter([w]), hs, 1)  # builds the session
+        monkeypatch.setattr(G, "wait_stream", wait_stream)
+        m = await t.transfer(iter([w]), hs, 2)
+        in_sync = dict(waits)
+        for h in hs:
+            assert all(torch.equal(h._engine.weights[n], x) for n, x in w)
+    finally:
+        for h in hs:
+            await h.shutdown()
+    b, r = int(m["sync/buckets"]), 2
+    assert b == 12
+    assert m["sync/sender_messages"] == b + 2  # begin, the buckets, end
+    assert m["sync/receiver_messages_max"] <= b  # acks (its report is not counted)
+    if metadata == "zmq":
+        assert m["sync/sender_store_requests"] == 0 and m["sync/receiver_store_requests_max"] == 0
+    else:
+        # fixed per sync: begin/end keys and their deletion (4), each receiver's report (2R)
+        assert m["sync/sender_store_requests"] <= (3 + r) * b + 4 + 2 * r, m["sync/sender_store_requests"]
+    assert in_sync["sender"] == 0, in_sync
+    assert in_sync["receiver"] == (r * b if verify else 0), in_sync
 
 
 async def test_a_corrupted_bucket_is_caught_by_the_checksum_and_nothing_loads(engines, make_transport, monkeypatch):

@@ -1,10 +1,21 @@
 """The side channel beside the broadcast: bucket metadata from the sender to every receiver,
-and hellos and reports from the receivers back.
+and hellos, acks and reports from the receivers back.
 
 Two implementations with one interface: ZeroMQ (PUB/SUB for metadata, PUSH/PULL for reports
-and, for ``cuda_ipc``, the per-bucket acks; the default) and the group's TCPStore (keys; no
-pyzmq needed). Messages are small JSON objects.
-Metadata is numbered; a receiver checks that none is missing.
+and, for ``cuda_ipc``, the acks; the default) and the group's TCPStore (keys; no pyzmq needed).
+Messages are small JSON objects. Metadata is numbered; a receiver checks that none is missing.
+
+Acks (``cuda_ipc``) are cumulative: an ack of bucket ``k`` says the receiver is done with every
+bucket up to ``k`` of that sync, so a receiver that finds several buckets done sends one. On
+ZeroMQ that is one message; on the TCPStore one key per bucket (the sender waits for the keys
+of all receivers in one request and deletes them when the sync is over).
+
+Closing is a handshake: the sender announces ``close``; each receiver leaves, frees its side of
+the group and answers ``bye``; the sender waits for the byes (briefly) before it frees its own
+side and the store, so no receiver finds the store gone under it.
+
+Every endpoint counts what it does in ``stats``: ``sent`` and ``received`` messages and, on the
+TCPStore, ``store_requests`` (each one a round trip to the store's server).
 """
 
 from __future__ import annotations
@@ -12,11 +23,11 @@ from __future__ import annotations
 import datetime
 import json
 import time
+from collections import Counter
 from typing import Any
 
-IDLE_WAIT_S = 24 * 3600.0
-"""How long an idle receiver on the store channel blocks on the next key (the sender closing
-its store wakes it earlier)."""
+IDLE_WAIT_S = 0.2
+"""How long ``recv(None)`` waits (an idle receiver looks this often whether it should stop)."""
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -25,6 +36,10 @@ def _td(seconds: float) -> datetime.timedelta:
 
 class ChannelClosed(RuntimeError):
     """The other side of the channel is gone."""
+
+
+def _ack_key(msg: dict[str, Any]) -> tuple[int, int]:
+    return int(msg.get("sync", 0)), int(msg.get("k", -1))
 
 
 # --------------------------------------------------------------------------- ZeroMQ
@@ -48,7 +63,10 @@ class ZmqSender:
         self.pub_port = self.pub.bind_to_random_port(addr)
         self.pull_port = self.pull.bind_to_random_port(addr)
         self.seq = 0
+        self.stats: Counter[str] = Counter()
         self._pending: list[dict[str, Any]] = []
+        self._acked: dict[int, tuple[int, int]] = {}
+        """Per rank, the latest (sync, bucket) it acked."""
 
     def params(self) -> dict[str, Any]:
         return {"metadata": "zmq", "pub_port": self.pub_port, "pull_port": self.pull_port}
@@ -57,11 +75,24 @@ class ZmqSender:
         msg = dict(msg, seq=self.seq)
         self.seq += 1
         self.pub.send(json.dumps(msg).encode())
+        self.stats["sent"] += 1
 
     def _recv(self, timeout_s: float) -> dict[str, Any] | None:
         if self.pull.poll(max(int(timeout_s * 1000), 0)):
+            self.stats["received"] += 1
             return json.loads(self.pull.recv())
         return None
+
+    def _keep(self, msg: dict[str, Any]) -> None:
+        """File a message nobody waits for now: acks update the per-rank high mark, the rest
+        wait for a later :meth:`collect`."""
+        op = msg.get("op")
+        if op == "ack":
+            rank = msg.get("rank")
+            if isinstance(rank, int):
+                self._acked[rank] = max(self._acked.get(rank, (-1, -1)), _ack_key(msg))
+        elif op in ("hello", "report", "pong", "bye"):
+            self._pending.append(msg)
 
     def collect(self, op: str, key: str, value: Any, ranks: list[int], deadline: float) -> dict[int, dict[str, Any]]:
         """Messages ``op`` with ``msg[key] == value`` from each of ``ranks`` until the deadline
@@ -80,15 +111,24 @@ class ZmqSender:
                 break
             if msg.get("op") == op and msg.get(key) == value and msg.get("rank") in ranks:
                 got[msg["rank"]] = msg
-            elif msg.get("op") in ("hello", "report", "pong", "ack"):
-                self._pending.append(msg)
+            else:
+                self._keep(msg)
         return got
 
-    def acks(self, sync: int, k: int, ranks: list[int], deadline: float) -> dict[int, dict[str, Any]]:
-        """Each receiver's ``ack`` of bucket ``k`` of sync ``sync`` (``cuda_ipc``: it is done
-        with that bucket's buffer), until the deadline. Acks of earlier buckets are dropped."""
-        self._pending = [m for m in self._pending if not (m.get("op") == "ack" and (m.get("sync", 0), m.get("k", 0)) < (sync, k))]
-        return self.collect("ack", "ack", f"{sync}/{k}", ranks, deadline)
+    def acked(self, sync: int, k: int, ranks: list[int], deadline: float) -> bool:
+        """Whether every one of ``ranks`` has acked bucket ``k`` of sync ``sync`` (or a later
+        one), waiting for their acks until ``deadline`` (a past deadline: only look)."""
+        want = (sync, k)
+        while True:
+            if all(self._acked.get(r, (-1, -1)) >= want for r in ranks):
+                return True
+            msg = self._recv(deadline - time.monotonic())
+            if msg is None:
+                return False
+            self._keep(msg)
+
+    def unacked(self, sync: int, k: int, ranks: list[int]) -> list[int]:
+        return [r for r in ranks if self._acked.get(r, (-1, -1)) < (sync, k)]
 
     def hellos(self, generation: str, ranks: list[int], deadline: float) -> dict[int, dict[str, Any]]:
         return self.collect("hello", "generation", generation, ranks, deadline)
@@ -105,14 +145,18 @@ class ZmqSender:
             missing -= set(got)
         return sorted(missing)
 
-    def done(self, sync: int) -> None:
+    def byes(self, generation: str, ranks: list[int], deadline: float) -> dict[int, dict[str, Any]]:
+        """Each receiver's ``bye`` (it left and freed its side of the group), until the deadline."""
+        return self.collect("bye", "generation", generation, ranks, deadline)
+
+    def done(self, sync: int, buckets: int = 0) -> None:
         pass
 
+    def announce_close(self) -> None:
+        """Tell every receiver to stop (it answers with a bye)."""
+        self.pub.send(json.dumps({"op": "close", "seq": self.seq}).encode())
+
     def close(self) -> None:
-        try:
-            self.pub.send(json.dumps({"op": "close", "seq": self.seq}).encode())
-        except Exception:  # noqa: BLE001
-            pass
         self.pub.close()
         self.pull.close(0)
         self.ctx.term()
@@ -135,18 +179,26 @@ class ZmqReceiver:
         self.sub.connect(f"tcp://{host}:{params['pub_port']}")
         self.push.connect(f"tcp://{host}:{params['pull_port']}")
         self.next_seq = 0
+        self.stats: Counter[str] = Counter()
 
     def send(self, msg: dict[str, Any]) -> None:
         self.push.send(json.dumps(msg).encode())
+        self.stats["sent"] += 1
+
+    def ack(self, sync: int, first: int, last: int, rank: int) -> None:
+        """Done with buckets ``first`` .. ``last`` of sync ``sync`` (one message: acks are
+        cumulative)."""
+        self.send({"op": "ack", "sync": sync, "k": last, "rank": rank})
 
     def recv(self, timeout_s: float | None) -> dict[str, Any] | None:
-        """The next metadata message, or None after ``timeout_s`` (None: a short poll, for
-        an idle loop that checks for shutdown)."""
-        wait_ms = 200 if timeout_s is None else max(int(timeout_s * 1000), 0)
+        """The next metadata message, or None after ``timeout_s`` (None: :data:`IDLE_WAIT_S`;
+        0: only look)."""
+        wait_ms = max(int((IDLE_WAIT_S if timeout_s is None else timeout_s) * 1000), 0)
         while True:
             if not self.sub.poll(wait_ms):
                 return None
             msg = json.loads(self.sub.recv())
+            self.stats["received"] += 1
             if msg.get("op") in ("ping", "close"):
                 return msg
             seq = msg.get("seq")
@@ -176,13 +228,33 @@ def _zmq_host(host: str) -> str:
 # --------------------------------------------------------------------------- TCPStore
 
 
+class _CountingStore:
+    """The store, counting every request (each is a round trip to the store's server)."""
+
+    def __init__(self, store: Any, stats: Counter[str]) -> None:
+        self._store = store
+        self._stats = stats
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._store, name)
+        stats = self._stats
+
+        def call(*args: Any, **kw: Any) -> Any:
+            stats["store_requests"] += 1
+            return fn(*args, **kw)
+
+        return call
+
+
 class StoreSender:
     kind = "store"
 
     def __init__(self, store: Any) -> None:
-        self.store = store
+        self.stats: Counter[str] = Counter()
+        self.store = _CountingStore(store, self.stats)
         self.seq = 0
         self._sync_keys: list[str] = []
+        self._ranks: list[int] = []
 
     def params(self) -> dict[str, Any]:
         return {"metadata": "store"}
@@ -190,6 +262,7 @@ class StoreSender:
     def publish(self, msg: dict[str, Any]) -> None:
         key = f"m/{self.seq}"
         self.store.set(key, json.dumps(dict(msg, seq=self.seq)))
+        self.stats["sent"] += 1
         self._sync_keys.append(key)
         self.seq += 1
 
@@ -205,9 +278,11 @@ class StoreSender:
             except Exception:  # noqa: BLE001 - a timeout: that rank did not answer
                 continue
             got[rank] = json.loads(self.store.get(key))
+            self.stats["received"] += 1
         return got
 
     def hellos(self, generation: str, ranks: list[int], deadline: float) -> dict[int, dict[str, Any]]:
+        self._ranks = list(ranks)
         return self._wait_keys({r: f"hello/{r}" for r in ranks}, deadline)
 
     def handshake(self, generation: str, ranks: list[int], deadline: float) -> list[int]:
@@ -217,40 +292,51 @@ class StoreSender:
         assert op == "report" and key == "sync"
         return self._wait_keys({r: f"r/{value}/{r}" for r in ranks}, deadline)
 
-    def acks(self, sync: int, k: int, ranks: list[int], deadline: float) -> dict[int, dict[str, Any]]:
-        keys = {r: f"a/{sync}/{k}/{r}" for r in ranks}
-        got = self._wait_keys(keys, deadline)
-        for r in got:
-            try:
-                self.store.delete_key(keys[r])
-            except Exception:  # noqa: BLE001
-                pass
-        return got
+    def acked(self, sync: int, k: int, ranks: list[int], deadline: float) -> bool:
+        """Whether every one of ``ranks`` has acked bucket ``k`` of sync ``sync``, waiting
+        until ``deadline``: one request for all of them (a past deadline: one look)."""
+        keys = [f"a/{sync}/{k}/{r}" for r in ranks]
+        remaining = deadline - time.monotonic()
+        try:
+            if remaining > 0:
+                self.store.wait(keys, _td(remaining))
+                return True
+            return bool(self.store.check(keys))
+        except Exception:  # noqa: BLE001 - a timeout
+            return False
 
-    def done(self, sync: int) -> None:
-        """Drop the keys of a finished sync (every receiver has read them)."""
-        for key in self._sync_keys:
+    def unacked(self, sync: int, k: int, ranks: list[int]) -> list[int]:
+        return [r for r in ranks if not self.store.check([f"a/{sync}/{k}/{r}"])]
+
+    def byes(self, generation: str, ranks: list[int], deadline: float) -> dict[int, dict[str, Any]]:
+        return self._wait_keys({r: f"bye/{r}" for r in ranks}, deadline)
+
+    def done(self, sync: int, buckets: int = 0) -> None:
+        """Drop the keys of a finished sync (every receiver has read them): its metadata, and
+        the acks of its ``buckets`` buckets (``cuda_ipc``)."""
+        keys = self._sync_keys + [f"a/{sync}/{k}/{r}" for k in range(buckets) for r in self._ranks]
+        self._sync_keys = []
+        for key in keys:
             try:
                 self.store.delete_key(key)
             except Exception:  # noqa: BLE001
                 pass
-        self._sync_keys = []
+
+    def announce_close(self) -> None:
+        self.publish({"op": "close"})
 
     def close(self) -> None:
-        try:
-            self.publish({"op": "close"})
-        except Exception:  # noqa: BLE001
-            pass
+        pass
 
 
 class StoreReceiver:
     kind = "store"
 
     def __init__(self, store: Any, rank: int) -> None:
-        self.store = store
+        self.stats: Counter[str] = Counter()
+        self.store = _CountingStore(store, self.stats)
         self.rank = rank
         self.next_seq = 0
-        self._report_n = 0
 
     def send(self, msg: dict[str, Any]) -> None:
         if msg["op"] == "hello":
@@ -259,9 +345,18 @@ class StoreReceiver:
             key = f"r/{msg['sync']}/{self.rank}"
         elif msg["op"] == "ack":
             key = f"a/{msg['sync']}/{msg['k']}/{self.rank}"
+        elif msg["op"] == "bye":
+            key = f"bye/{self.rank}"
         else:
             return
         self.store.set(key, json.dumps(msg))
+        self.stats["sent"] += 1
+
+    def ack(self, sync: int, first: int, last: int, rank: int) -> None:
+        """Done with buckets ``first`` .. ``last`` of sync ``sync``: one key each (the sender
+        waits for the key of the bucket whose buffer it wants back)."""
+        for k in range(first, last + 1):
+            self.send({"op": "ack", "sync": sync, "k": k, "rank": rank})
 
     def recv(self, timeout_s: float | None) -> dict[str, Any] | None:
         import torch.distributed as dist
@@ -274,6 +369,7 @@ class StoreReceiver:
         except Exception:  # noqa: BLE001 - a timeout
             return None
         self.next_seq += 1
+        self.stats["received"] += 1
         return json.loads(self.store.get(key))
 
     def handshake(self, generation: str, rank: int, deadline: float) -> None:

@@ -4,20 +4,37 @@ The group is built directly from a ``TCPStore`` (``ProcessGroupGloo`` / ``Proces
 objects, not ``init_process_group``), so it lives beside whatever default group the trainer or
 the engine already uses, several can exist in one process (in-process receivers on gloo), and it
 can be torn down and rebuilt after a failure. Rank 0 sends; ranks 1..N receive.
+
+:class:`Group` is how the transports hold one: it remembers every collective started on it
+that has not ended, and frees the group only once none is in flight, in the thread that owns
+it (a group destroyed while one of its collectives runs, or destroyed implicitly by whichever
+thread happens to drop the last reference, is what the teardown must never do). Collectives are
+handed to gloo groups one thread at a time (:data:`_ISSUE_LOCK`: a data race in torch's flight
+recorder between groups of one process). A gloo group's
+own deadline is set to the transport's ``timeout_s`` once it is built, so a collective whose
+peer is gone ends (with an error) within that time, and freeing the group never waits longer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
+import threading
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-POLL_S = 0.0002
+log = logging.getLogger(__name__)
+
+POLL_S = 0.00005
+"""How long a wait for the device (or for a bucket's acks while the device packs) sleeps
+between looks: short against a bucket's copy (about 0.25 ms for 512 MiB on an H200)."""
+RELEASE_GRACE_S = 5.0
+"""How much longer than its collectives' own deadline freeing a group waits for them."""
 
 
 class GroupError(RuntimeError):
@@ -44,8 +61,8 @@ def _env(name: str, value: str):
 
 def new_group(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
     """A process-group backend object for ``rank`` of ``world_size``. For gloo the constructor
-    is the rendezvous (it returns once every rank has joined, or raises after ``timeout_s``); an
-    NCCL communicator is created by the first collective."""
+    is the rendezvous (it returns once every rank has joined, or raises after ``timeout_s``);
+    an NCCL communicator is created by the first collective."""
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(store, rank, world_size, _td(timeout_s))
     elif backend == "nccl":
@@ -60,13 +77,28 @@ def new_group(store: Any, rank: int, world_size: int, backend: str, timeout_s: f
     return pg
 
 
+_ISSUE_LOCK = threading.Lock()
+"""Held while a collective is handed to a gloo group. torch (2.11) records every collective in
+its process-wide flight recorder, and the first one of each group inserts that group's status
+into a shared ``std::map`` before taking the recorder's mutex: two groups of one process
+issuing collectives at once (the sender's and the receivers' first broadcasts of a session in
+the in-process tests) can corrupt it; a SIGSEGV in ``_Rb_tree_insert_and_rebalance`` under
+``FlightRecorder::recordWithResetEnabled`` from ``ProcessGroupGloo::enqueue`` (a core dump of
+the CI crash's pattern). A gloo collective is only queued here (its worker threads run it), so
+the lock is held for microseconds. NCCL groups are not serialized: their first collective
+creates the communicator and blocks until every rank has joined."""
+
+
 def broadcast(pg: Any, tensor: torch.Tensor, root: int = 0) -> Any:
     """Start a broadcast of ``tensor`` from ``root``; returns the Work."""
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     opts.rootTensor = 0
     try:
-        return pg.broadcast([tensor], opts)
+        if "NCCL" in type(pg).__name__:
+            return pg.broadcast([tensor], opts)
+        with _ISSUE_LOCK:
+            return pg.broadcast([tensor], opts)
     except Exception as e:  # noqa: BLE001 - a dead peer shows up here on gloo
         raise GroupError(f"broadcast failed: {e}") from e
 
@@ -147,3 +179,94 @@ def shutdown(pg: Any) -> None:
         fn()
     except Exception:  # noqa: BLE001
         pass
+
+
+class Group:
+    """A process group owned by one thread, and the collectives started on it that may still
+    run. Only the owning thread starts collectives and calls :meth:`release`."""
+
+    def __init__(self, pg: Any, backend: str, op_timeout_s: float) -> None:
+        self.pg = pg
+        self.backend = backend
+        self.op_timeout_s = op_timeout_s
+        """The longest deadline a collective started on this group may have."""
+        self.aborted = False
+        self._works: list[Any] = []
+
+    def set_op_timeout(self, seconds: float) -> None:
+        """Collectives started from now on give up after ``seconds`` (gloo; an NCCL group's
+        watchdog keeps its own, longer, deadline and ours aborts it first)."""
+        if self.pg is not None and self.backend == "gloo":
+            self.pg.set_timeout(_td(seconds))
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> Any:
+        if self.pg is None:
+            raise GroupError("the weight-sync group was released")
+        work = broadcast(self.pg, tensor, root)
+        self._works = [w for w in self._works if not _ended(w)]
+        self._works.append(work)
+        return work
+
+    def in_flight(self) -> int:
+        """How many collectives started here have not ended yet."""
+        self._works = [w for w in self._works if not _ended(w)]
+        return len(self._works)
+
+    def abort(self) -> None:
+        """Abort the communicators (NCCL: pending collectives end with an error; gloo has no
+        abort: its collectives end at their deadline)."""
+        if self.pg is not None and "NCCL" in type(self.pg).__name__:
+            abort(self.pg)
+            self.aborted = True
+
+    def release(self, wait_s: float | None = None) -> bool:
+        """Free the group here, once none of its collectives is in flight (waiting at most
+        ``wait_s``, default the collectives' deadline plus :data:`RELEASE_GRACE_S`). Returns
+        whether it was freed; a group still busy then is kept aside, never destroyed under a
+        running collective, and freed by a later :meth:`release` of any group."""
+        _sweep()
+        if self.pg is None:
+            return True
+        deadline = time.monotonic() + (self.op_timeout_s + RELEASE_GRACE_S if wait_s is None else wait_s)
+        while not self.aborted and self.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if not self.aborted and self.in_flight():
+            log.warning("a weight-sync group still has %d collective(s) in flight; it is kept, not destroyed", self.in_flight())
+            with _RETIRED_LOCK:
+                _RETIRED.append(self)
+            return False
+        pg, self.pg, self._works = self.pg, None, []
+        _free(pg)
+        return True
+
+
+_RETIRED: list[Group] = []
+"""Groups released while a collective of theirs still ran: freed once it has ended."""
+_RETIRED_LOCK = threading.Lock()
+
+
+def _ended(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 - a failed work has ended
+        return True
+
+
+def _free(pg: Any) -> None:
+    """Drop the last reference to ``pg`` here (its destructor joins its worker threads, which
+    are idle now). NCCL communicators are aborted first: that is local, whereas finalizing may
+    wait for peers that are gone."""
+    if "NCCL" in type(pg).__name__:
+        abort(pg)
+    del pg
+
+
+def _sweep() -> None:
+    with _RETIRED_LOCK:
+        done = [g for g in _RETIRED if not g.in_flight()]
+        for g in done:
+            _RETIRED.remove(g)
+    for g in done:
+        pg, g.pg = g.pg, None
+        if pg is not None:
+            _free(pg)

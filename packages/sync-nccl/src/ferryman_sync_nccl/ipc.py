@@ -9,13 +9,21 @@ arguments, pickled), on CPUs the name of a file in ``/dev/shm`` that both sides 
 
 A sync reuses the ``nccl`` transport's parts unchanged: the wire format (:class:`~.wire.Packer`,
 the lane-sum trailer, :class:`~.wire.Assembler`), the metadata channel (ZeroMQ or TCPStore),
-the heartbeats, the reports and the all-or-nothing verdict (:class:`~.sender.BucketSync`). Per
-bucket: pack it into the free buffer, wait until the device has finished packing, publish its
-metadata (naming the buffer); every receiver checks the checksum, loads the tensors (views of
-the shared buffer, or a tensor assembled from pieces) through the engine's ``load_weights``,
-waits until its device has finished the copies and acks. A buffer is refilled only once every
-receiver has acked the bucket in it, so the trainer packs bucket k+1 while the engines load
-bucket k. An ack that does not come within ``timeout_s`` fails the sync.
+the heartbeats, the reports and the all-or-nothing verdict (:class:`~.sender.BucketSync`).
+
+Per bucket, pipelined, with no CPU↔device synchronisation on the way in steady state: the
+trainer packs the bucket into the free buffer and records a CUDA event; the bucket's metadata
+(naming the buffer) goes out as soon as that event has completed, while the trainer already
+packs the next bucket into the other buffer if it is free. Every receiver checks the checksum
+(one wait for the device, only with checksums on), hands the tensors (views of the shared
+buffer, or a tensor assembled from pieces) to the engine's ``load_weights``, records an event
+after the engine's copies and goes on with the next bucket; it acks a bucket once its event
+has completed (acks are cumulative, several done buckets make one ack). A buffer is refilled
+only once every receiver has acked the bucket in it, so the trainer runs at most one bucket
+ahead of the slowest engine; an ack that does not come within ``timeout_s`` fails the sync.
+Only events of one's own process are waited on (never another process's: a dead peer cannot
+hold a stream), by polling with a deadline. On CPUs the copies are synchronous: metadata goes
+out at once and a receiver acks as soon as it has loaded.
 
 Why these handles. CUDA: the IPC handle is the only way to map another process's device
 memory, and torch's reduction also carries the producer-side reference count that keeps the
@@ -49,6 +57,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -238,9 +247,11 @@ def _nonce_bytes(buf: torch.Tensor) -> bytes:
 
 class _IpcSession(_Session):
     """The ``cuda_ipc`` data plane: two shared buffers; a bucket is handed off by publishing
-    its metadata and is free again once every receiver acked it."""
+    its metadata (once the device has packed it) and is free again once every receiver acked
+    it."""
 
     what = "hand-off"
+    acks = True
 
     def __init__(self, cfg: Any, names: list[str], device: torch.device) -> None:
         super().__init__(cfg, names, device, "127.0.0.1")  # every receiver is on this host
@@ -262,6 +273,10 @@ class _IpcSession(_Session):
                 self.shared.close()
             raise
         self.pending: list[tuple[int, int] | None] = [None, None]
+        """Per buffer, the (sync, bucket) handed off in it and not yet acked by every receiver."""
+        self._unpublished: deque[tuple[Any, dict[str, Any], float]] = deque()
+        """Packed buckets whose packing the device may still be doing: (event, metadata, deadline)."""
+        self.ack_wait_s = 0.0
 
     def receiver_params(self, index: int) -> dict[str, Any]:
         return {
@@ -284,23 +299,57 @@ class _IpcSession(_Session):
     def begin(self) -> None:
         super().begin()
         self.pending = [None, None]
+        self._unpublished.clear()
+        self.ack_wait_s = 0.0
+
+    def _publish_ready(self) -> None:
+        """Publish, in order, the buckets the device has finished packing."""
+        while self._unpublished:
+            ev, msg, deadline = self._unpublished[0]
+            if ev is not None and not ev.query():
+                if time.monotonic() > deadline:
+                    raise G.GroupError(f"packing bucket {msg['k']}: not done on the device within {self.cfg.timeout_s:g}s")
+                return
+            self._unpublished.popleft()
+            self.channel.publish(msg)
 
     def wait_slot(self, slot: int) -> None:
+        """Block until every receiver acked the bucket last handed off in ``slot`` (publishing
+        packed buckets meanwhile), or raise :class:`GroupError` after ``timeout_s``."""
         p = self.pending[slot]
         if p is None:
+            self._publish_ready()
             return
-        self.pending[slot] = None
         sync, k = p
-        got = self.channel.acks(sync, k, self.ranks, time.monotonic() + self.cfg.timeout_s)
-        missing = [self.names[r - 1] for r in self.ranks if r not in got]
-        if missing:
-            raise G.GroupError(f"bucket {k} not acknowledged within {self.cfg.timeout_s:g}s by {', '.join(missing)}")
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while True:
+            self._publish_ready()
+            if not self._unpublished:
+                # nothing else to do: wait for the acks themselves (a message wakes us)
+                if self.channel.acked(sync, k, self.ranks, deadline):
+                    break
+            elif self.channel.acked(sync, k, self.ranks, 0.0):
+                break
+            else:
+                time.sleep(G.POLL_S)  # the device is still packing: look again soon
+            if time.monotonic() > deadline:
+                missing = [self.names[r - 1] for r in self.channel.unacked(sync, k, self.ranks)]
+                raise G.GroupError(f"bucket {k} not acknowledged within {self.cfg.timeout_s:g}s by {', '.join(missing) or 'every receiver'}")
+        self.pending[slot] = None
+        self.ack_wait_s += time.perf_counter() - t0
 
     def ship(self, sync: int, k: int, slot: int, buf: torch.Tensor, used: int, n: int, entries: list) -> None:
-        # the receivers read the buffer as soon as they hear of it: packing must be over
-        G.wait_stream(self.device, self.cfg.timeout_s, f"packing bucket {k}")
-        self.channel.publish({"op": "bucket", "sync": sync, "k": k, "slot": slot, "nbytes": used, "entries": entries})
+        # the receivers read the buffer as soon as they hear of it: its metadata goes out once
+        # the device has packed it (at once on CPUs); meanwhile the next bucket may be packed
+        msg = {"op": "bucket", "sync": sync, "k": k, "slot": slot, "nbytes": used, "entries": entries}
         self.pending[slot] = (sync, k)
+        ev = None
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+        self._unpublished.append((ev, msg, time.monotonic() + self.cfg.timeout_s))
+        self._publish_ready()
 
     def close(self) -> None:
         super().close()
@@ -346,7 +395,8 @@ def resolve_device(device: str) -> torch.device:
 class IpcReceiver(BucketReceiver):
     """The ``cuda_ipc`` receiver: maps the sender's two buffers (once, here, in
     ``attach_weight_receiver``) and, for every bucket, checks and loads it straight out of
-    the shared buffer, then acks it."""
+    the shared buffer, and acks it once the engine's copies out of it are done (while it
+    already takes the next bucket)."""
 
     def __init__(self, params: dict[str, Any], *, sink: Callable[[list[tuple[str, torch.Tensor]]], Any], loop: asyncio.AbstractEventLoop | None = None, name: str = "receiver") -> None:
         # refuse before connecting anywhere: a wrong device is the user's config, not the network
@@ -368,8 +418,63 @@ class IpcReceiver(BucketReceiver):
         st.buckets += 1
         st.bytes += int(msg["nbytes"])
         self._consume(self.bufs[int(msg["slot"])], msg, st)
-        # the engine's copies out of the buffer must be over before it is refilled
-        t = time.perf_counter()
-        G.wait_stream(self.device, self.timeout_s, f"loading bucket {k}")
-        st.wait_s += time.perf_counter() - t
-        self.channel.send({"op": "ack", "ack": f"{st.sync}/{k}", "sync": st.sync, "k": k, "rank": self.rank})
+        # the engine's copies out of the buffer are queued: the buffer is acked once they are
+        # done (CPU copies are done already); meanwhile the next bucket is taken
+        ev = None
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+        st.loads.append((k, ev, time.monotonic() + self.timeout_s))
+        self._ack_done(st)
+
+    def _ack_done(self, st: _SyncState, wait: bool = False) -> None:
+        """Ack, in one go, the buckets whose copies the device has finished (``wait``: all of
+        them, waiting with a deadline)."""
+        last = None
+        t0 = time.perf_counter()
+        while st.loads:
+            k, ev, deadline = st.loads[0]
+            if ev is not None and not ev.query():
+                if time.monotonic() > deadline:
+                    raise G.GroupError(f"loading bucket {k}: not done on the device within {self.timeout_s:g}s")
+                if not wait:
+                    break
+                time.sleep(G.POLL_S)
+                continue
+            st.loads.popleft()
+            last = k
+        if wait:
+            st.wait_s += time.perf_counter() - t0
+        if last is not None:
+            self.channel.ack(st.sync, st.acked + 1, last, self.rank)
+            st.acked = last
+
+    def _next(self, st: _SyncState) -> dict[str, Any] | None:
+        """The next metadata message (None after ``timeout_s``), acking buckets as their copies
+        finish while waiting for it."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if not st.loads:
+                return self.channel.recv(max(deadline - time.monotonic(), 0.0))
+            msg = self.channel.recv(0.0)
+            self._ack_done(st)
+            if msg is not None:
+                return msg
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(G.POLL_S)
+
+    def _drain(self, st: _SyncState) -> None:
+        self._ack_done(st, wait=True)
+
+    def _on_exit(self) -> None:
+        # copies out of the shared buffers may still be queued (a sync that failed midway):
+        # let them finish before the mappings go
+        try:
+            G.wait_stream(self.device, self.timeout_s, "the last copies out of the shared buffers")
+        except G.GroupError:
+            log.warning("weight receiver %s: copies out of the shared buffers still running at exit", self.name)
+        super()._on_exit()
+
+    def _settle(self, st: _SyncState) -> None:
+        self._ack_done(st, wait=True)

@@ -12,6 +12,13 @@ assembled first. At the end it reports what it loaded (or why not) to the sender
 On the GPU, receives run on the process group's NCCL stream and loads on the engine's stream;
 the group orders a receive after earlier work of the stream that issued it, so a buffer is
 overwritten only after the copies out of it (engines load on the device's default stream).
+
+Teardown. Only the receiver's own thread frees its group, and only once no collective of the
+group is in flight (:meth:`~ferryman_sync_nccl.group.Group.release`); it then says ``bye`` to
+the sender, which frees its side of the group and its store only after every receiver said bye
+(or a short grace passed). :meth:`BucketReceiver.close` asks the thread to stop (it notices
+within :data:`IDLE_POLL_S` when idle) and waits for it to end, with a bound: awaited on an
+event loop it does not block the loop (the engine may still be loading a bucket on it).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import inspect
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +42,10 @@ from ferryman_sync_nccl.wire import TRAILER_BYTES, Assembler, Entry, lane_sums
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
+IDLE_POLL_S = 0.2
+"""How often an idle receiver looks whether it was asked to close."""
+CLOSE_GRACE_S = 5.0
+"""How much longer than ``timeout_s`` :meth:`BucketReceiver.close` waits for the thread to end."""
 
 
 class _Broken(RuntimeError):
@@ -73,7 +85,9 @@ class BucketReceiver:
         self.failed_syncs = 0
         self._closed = threading.Event()
         self._sender_gone = threading.Event()
+        self._hb_stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._hb_thread: threading.Thread | None = None
         self._own_loop: asyncio.AbstractEventLoop | None = None
         self.bufs: list[torch.Tensor] = []
         # the parts that fail at once on a wrong address or a missing library fail here, in
@@ -88,7 +102,8 @@ class BucketReceiver:
     def start(self) -> BucketReceiver:
         self._thread = threading.Thread(target=self._run, name=f"ferryman-receiver-{self.name}", daemon=True)
         self._thread.start()
-        threading.Thread(target=self._heartbeat, name=f"ferryman-receiver-hb-{self.name}", daemon=True).start()
+        self._hb_thread = threading.Thread(target=self._heartbeat, name=f"ferryman-receiver-hb-{self.name}", daemon=True)
+        self._hb_thread.start()
         return self
 
     def _heartbeat(self) -> None:
@@ -96,17 +111,39 @@ class BucketReceiver:
         sender can tell a dead receiver from one stuck in a broken collective."""
         try:
             store = dist.TCPStore(str(self.params["host"]), int(self.params["store_port"]), None, False, G._td(self.connect_timeout_s))
-            while not self._closed.is_set() and self._thread is not None and self._thread.is_alive():
+            while not self._hb_stop.is_set():
                 store.add(f"hb/{self.rank}", 1)
-                self._closed.wait(HEARTBEAT_S)
+                self._hb_stop.wait(HEARTBEAT_S)
         except Exception:  # noqa: BLE001 - the sender's store is gone: this session is over
             self._sender_gone.set()
 
-    def close(self, timeout_s: float = 0.3) -> None:
-        """Stop; a thread blocked in a collective ends at the group's timeout."""
+    def close(self, timeout_s: float | None = None) -> Any:
+        """Ask the receiver to stop and wait until its thread has ended (it frees its group
+        there, after the group's last collective), at most ``timeout_s`` (default
+        ``timeout_s + CLOSE_GRACE_S``: a sync in progress ends within its own deadlines).
+        Called on a running event loop it returns an awaitable to await instead of blocking
+        the loop; a thread still running at the bound is left to finish by itself (logged)."""
         self._closed.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
+        self._hb_stop.set()
+        bound = self.timeout_s + CLOSE_GRACE_S if timeout_s is None else timeout_s
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None and self._thread is not threading.current_thread():
+            return loop.run_in_executor(None, self._wait_ended, bound)
+        self._wait_ended(bound)
+        return None
+
+    def _wait_ended(self, bound: float) -> bool:
+        deadline = time.monotonic() + bound
+        for t in (self._thread, self._hb_thread):
+            if t is not None and t is not threading.current_thread():
+                t.join(max(deadline - time.monotonic(), 0.0))
+        if self.alive:
+            log.warning("weight receiver %s: its thread is still running %.0fs after close (it frees its group itself when its collective ends)", self.name, bound)
+            return False
+        return True
 
     @property
     def alive(self) -> bool:
@@ -118,7 +155,7 @@ class BucketReceiver:
                 torch.cuda.set_device(self.device)
             self._join()
             while not self._closed.is_set():
-                msg = self.channel.recv(None)
+                msg = self.channel.recv(IDLE_POLL_S)
                 if msg is None:
                     if self._sender_gone.is_set():
                         raise ChannelClosed("the sender is gone (its store stopped answering)")
@@ -136,12 +173,19 @@ class BucketReceiver:
         finally:
             self.ready.set()
             try:
-                self.channel.close()
-            except Exception:  # noqa: BLE001
-                pass
-            if self._own_loop is not None:
-                self._own_loop.close()
-            self._on_exit()
+                self._on_exit()  # frees the group (after its last collective)
+            finally:
+                self._hb_stop.set()
+                try:  # (also after an error: the group is freed either way)
+                    self.channel.send({"op": "bye", "generation": self.generation, "rank": self.rank})
+                except Exception:  # noqa: BLE001 - the sender is gone
+                    pass
+                try:
+                    self.channel.close()
+                except Exception:  # noqa: BLE001
+                    pass
+                if self._own_loop is not None:
+                    self._own_loop.close()
 
     def _join(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -149,9 +193,10 @@ class BucketReceiver:
     def _sync(self, begin: dict[str, Any]) -> None:
         """One sync, from ``begin`` to ``end`` (or ``abort``/``close``)."""
         st = _SyncState(begin["sync"], int(begin["version"]), bool(begin["verify"]))
+        st.stats0 = dict(getattr(self.channel, "stats", {}))
         try:
             while True:
-                msg = self.channel.recv(self.timeout_s)
+                msg = self._next(st)
                 if msg is None:
                     raise _Broken(f"no metadata from the sender within {self.timeout_s:g}s during the sync to version {st.version}")
                 op = msg.get("op")
@@ -179,6 +224,10 @@ class BucketReceiver:
         except (G.GroupError, _Broken, ChannelClosed) as e:
             raise self._stopped(st, e) from e
 
+    def _next(self, st: _SyncState) -> dict[str, Any] | None:
+        """The next metadata message of a sync, or None after ``timeout_s``."""
+        return self.channel.recv(self.timeout_s)
+
     def _bucket(self, msg: dict[str, Any], st: _SyncState) -> None:  # pragma: no cover - abstract
         """Bucket ``msg["k"]`` was announced: receive it (count it in ``st``) and load it."""
         raise NotImplementedError
@@ -193,7 +242,8 @@ class BucketReceiver:
         """The receiver thread stopped on an error."""
 
     def _on_exit(self) -> None:
-        """The receiver thread ends (after :meth:`_on_error` if it failed)."""
+        """The receiver thread ends (after :meth:`_on_error` if it failed): free what it
+        holds, here in its own thread."""
         self.bufs = []
 
     # ------------------------------------------------------------------ one sync
@@ -217,10 +267,11 @@ class BucketReceiver:
         used = int(msg["nbytes"])
         k = int(msg["k"])
         if st.verify:
-            # the comparison reads the data on the CPU: first make sure it came (with a deadline)
-            G.wait_stream(self.device, self.timeout_s, f"receiving bucket {k}")
-            sent = buf[used : used + TRAILER_BYTES].view(torch.int64)
-            if not torch.equal(lane_sums(buf[:used]), sent):
+            same = (lane_sums(buf[:used]) == buf[used : used + TRAILER_BYTES].view(torch.int64)).all()
+            # the verdict is read on the CPU: one wait for the device (the data, then the sums),
+            # with a deadline
+            G.wait_stream(self.device, self.timeout_s, f"checking bucket {k}")
+            if not bool(same):
                 st.error = f"bucket {k}: checksum mismatch (the data arrived corrupted)"
                 return
         try:
@@ -270,6 +321,8 @@ class BucketReceiver:
                 "tensors": st.tensors,
                 "load_s": st.load_s,
                 "wait_s": st.wait_s,
+                # this sync's traffic on the side channel, up to this report
+                "channel": {k: v - st.stats0.get(k, 0) for k, v in getattr(self.channel, "stats", {}).items()},
             }
         )
 
@@ -281,25 +334,35 @@ class WeightReceiver(BucketReceiver):
     def __init__(self, params: dict[str, Any], *, sink: Callable[[list[tuple[str, torch.Tensor]]], Any], loop: asyncio.AbstractEventLoop | None = None, name: str = "receiver") -> None:
         self.backend = str(params["backend"])
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        self.pg: Any = None
+        self.group: G.Group | None = None
         super().__init__(params, sink=sink, loop=loop, name=name)
 
+    @property
+    def pg(self) -> Any:
+        """The process group (None before the join and once freed)."""
+        return None if self.group is None else self.group.pg
+
     def _on_error(self) -> None:
-        if self.cuda:
-            G.abort(self.pg)
+        if self.group is not None:
+            self.group.abort()
 
     def _on_exit(self) -> None:
         super()._on_exit()
-        if self.error is None:
-            G.shutdown(self.pg)
+        if self.group is not None:
+            # wait for the group's collectives to end (a gloo one ends at its deadline), then
+            # free it in this thread; never while one of them runs
+            self.group.release()
 
     def _join(self) -> None:
         self.channel.send({"op": "hello", "generation": self.generation, "rank": self.rank, "name": self.name})
-        self.pg = G.new_group(dist.PrefixStore("pg/", self.store), self.rank, self.world_size, self.backend, self.connect_timeout_s)
+        pg = G.new_group(dist.PrefixStore("pg/", self.store), self.rank, self.world_size, self.backend, self.connect_timeout_s)
+        self.group = G.Group(pg, self.backend, max(self.timeout_s, self.connect_timeout_s))
         self.channel.handshake(self.generation, self.rank, time.monotonic() + self.connect_timeout_s)
         probe = torch.zeros(64, dtype=torch.uint8, device=self.device)
-        G.wait(G.broadcast(self.pg, probe), self.connect_timeout_s, cuda=self.cuda)
+        G.wait(self.group.broadcast(probe), self.connect_timeout_s, cuda=self.cuda)
         G.wait_stream(self.device, self.connect_timeout_s, "the group's first broadcast")
+        # the join may take connect_timeout_s; from now on a collective ends within timeout_s
+        self.group.set_op_timeout(self.timeout_s)
         self.bufs = [torch.empty(self.bucket_bytes + TRAILER_BYTES, dtype=torch.uint8, device=self.device) for _ in range(2)]
         self.ready.set()
 
@@ -307,7 +370,8 @@ class WeightReceiver(BucketReceiver):
         slot = st.buckets % 2
         n = int(msg["nbytes"]) + (TRAILER_BYTES if st.verify else 0)
         # start receiving bucket k into the free buffer, then load bucket k-1
-        work = G.broadcast(self.pg, self.bufs[slot][:n]) if n else None
+        assert self.group is not None
+        work = self.group.broadcast(self.bufs[slot][:n]) if n else None
         st.buckets += 1
         st.bytes += int(msg["nbytes"])
         if st.pending is not None:
@@ -348,3 +412,9 @@ class _SyncState:
         self.reported = False
         self.pending: Any = None
         """nccl: the bucket received last, not yet loaded (message, work, buffer)."""
+        self.loads: deque[tuple[int, Any, float]] = deque()
+        """cuda_ipc: buckets loaded (copies queued) and not yet acked (bucket, event, deadline)."""
+        self.acked = -1
+        """cuda_ipc: the last bucket acked."""
+        self.stats0: dict[str, int] = {}
+        """The side channel's counts when the sync began."""

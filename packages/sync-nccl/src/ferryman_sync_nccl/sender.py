@@ -43,6 +43,9 @@ SYNC_TYPE = "nccl"
 ABORT_GRACE_S = 1.5
 """After a failed broadcast, how long to wait for the surviving receivers' reports (and to
 watch their heartbeats: they beat every 0.5 s)."""
+BYE_WAIT_S = 3.0
+"""At close, how long to wait for every receiver's bye before freeing the group and the store
+(an idle receiver answers within milliseconds; a broken session waits ABORT_GRACE_S)."""
 
 
 class TransferError(RuntimeError):
@@ -81,6 +84,10 @@ class _Session:
 
     what = "hand-off"
     """How the data of one bucket travels, for error messages."""
+    acks = False
+    """Whether the receivers ack every bucket (``cuda_ipc``)."""
+    ack_wait_s = 0.0
+    """Seconds of the current sync the sender spent waiting for acks."""
 
     def __init__(self, cfg: Any, names: list[str], device: torch.device, host: str) -> None:
         self.cfg = cfg
@@ -99,6 +106,8 @@ class _Session:
         self.bufs: list[torch.Tensor] = []
         self.syncs = 0
         self.broken: str | None = None
+        self.joined: list[int] = []
+        """The ranks whose receiver said hello (those answer the close with a bye)."""
 
     def receiver_params(self, index: int) -> dict[str, Any]:
         return {
@@ -116,6 +125,7 @@ class _Session:
     def hellos(self, deadline: float) -> None:
         """Wait for every receiver's hello; raise naming each one that failed or never came."""
         hellos = self.channel.hellos(self.generation, self.ranks, deadline)
+        self.joined = sorted(hellos)
         problems = [f"{self.names[r - 1]}: {h['error']}" for r, h in sorted(hellos.items()) if h.get("error")]
         problems += [
             f"{self.names[r - 1]}: its receiver never reported in (could it reach {self.host}:{self.store.port}?)"
@@ -156,6 +166,9 @@ class _Session:
     def abort_link(self) -> None:
         """Called when a bucket's hand-off failed (before the receivers are told)."""
 
+    def release_link(self) -> None:
+        """Free the data plane (at close, after the receivers' byes)."""
+
     def heartbeats(self) -> dict[int, int]:
         out = {}
         for r in self.ranks:
@@ -166,6 +179,20 @@ class _Session:
         return out
 
     def close(self) -> None:
+        """Tell the receivers to stop and wait (briefly) for their byes: each has then left
+        its collectives and freed its side of the group. Only then free ours (the data plane,
+        the channel, the store), so a receiver never finds the store or the group gone under it."""
+        try:
+            self.channel.announce_close()
+            if self.joined:
+                wait = min(self.cfg.timeout_s, ABORT_GRACE_S if self.broken else BYE_WAIT_S)
+                self.channel.byes(self.generation, self.joined, time.monotonic() + wait)
+        except Exception:  # noqa: BLE001 - the receivers are gone
+            log.debug("announcing the close failed", exc_info=True)
+        try:
+            self.release_link()
+        except Exception:  # noqa: BLE001
+            log.debug("freeing the %s failed", self.what, exc_info=True)
         try:
             self.channel.close()
         except Exception:  # noqa: BLE001
@@ -182,7 +209,7 @@ class _NcclSession(_Session):
     def __init__(self, cfg: Any, names: list[str], backend: str, device: torch.device) -> None:
         super().__init__(cfg, names, device, cfg.host or default_host())
         self.backend = backend
-        self.pg: Any = None
+        self.group: G.Group | None = None
         self.side: Any = None
         self.works: list[Any] = [None, None]
         self.done: list[Any] = [None, None]  # CUDA: events completing with works[slot]
@@ -197,12 +224,14 @@ class _NcclSession(_Session):
             torch.cuda.set_device(self.device)
         deadline = time.monotonic() + self.cfg.connect_timeout_s
         self.hellos(deadline)
-        self.pg = G.new_group(dist.PrefixStore("pg/", self.store), 0, self.world_size, self.backend, self.cfg.connect_timeout_s)
+        pg = G.new_group(dist.PrefixStore("pg/", self.store), 0, self.world_size, self.backend, self.cfg.connect_timeout_s)
+        self.group = G.Group(pg, self.backend, max(self.cfg.timeout_s, self.cfg.connect_timeout_s))
         self.handshake(deadline)
         # the first collective creates NCCL's communicator: do it now, not inside the first sync
         probe = torch.zeros(64, dtype=torch.uint8, device=self.device)
-        G.wait(G.broadcast(self.pg, probe), self.cfg.connect_timeout_s, cuda=self.cuda)
+        G.wait(self.group.broadcast(probe), self.cfg.connect_timeout_s, cuda=self.cuda)
         G.wait_stream(self.device, self.cfg.connect_timeout_s, "the group's first broadcast")
+        self.group.set_op_timeout(self.cfg.timeout_s)
         self.bufs = [torch.empty(self.capacity + TRAILER_BYTES, dtype=torch.uint8, device=self.device) for _ in range(2)]
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
         return time.perf_counter() - t0
@@ -225,7 +254,8 @@ class _NcclSession(_Session):
     def ship(self, sync: int, k: int, slot: int, buf: torch.Tensor, used: int, n: int, entries: list) -> None:
         self.channel.publish({"op": "bucket", "sync": sync, "k": k, "nbytes": used, "entries": entries})
         if n:
-            self.works[slot] = G.broadcast(self.pg, buf[:n])
+            assert self.group is not None
+            self.works[slot] = self.group.broadcast(buf[:n])
             if self.cuda:
                 self.done[slot] = G.completion_event(self.works[slot], self.side)
 
@@ -233,17 +263,23 @@ class _NcclSession(_Session):
         super().drain(acquired)
         G.wait_stream(self.device, self.cfg.timeout_s, "the weight broadcast")
 
-    def abort_link(self) -> None:
-        if self.cuda:
-            G.abort(self.pg)
+    @property
+    def pg(self) -> Any:
+        return None if self.group is None else self.group.pg
 
-    def close(self) -> None:
-        super().close()
-        if self.broken:
-            G.abort(self.pg)
-        else:
-            G.shutdown(self.pg)
-        self.pg = None
+    def abort_link(self) -> None:
+        if self.group is not None:
+            self.group.abort()
+
+    def release_link(self) -> None:
+        # our collectives end (a gloo one at its deadline) before the group is freed, here
+        self.works = [None, None]
+        self.done = [None, None]
+        if self.group is not None:
+            if self.broken:
+                self.group.abort()
+            self.group.release()
+            self.group = None
 
 
 class BucketSync:
@@ -338,6 +374,7 @@ class BucketSync:
         s.begin()
         s.syncs += 1
         sync = s.syncs
+        stats0 = dict(s.channel.stats)
         verify = cfg.verify
         packer = Packer(s.capacity, self.wire_dtype)
         acquired = 0
@@ -375,13 +412,14 @@ class BucketSync:
         if input_error is not None:
             s.channel.publish({"op": "abort", "sync": sync, "reason": f"the trainer's weights could not be sent: {input_error!r}", "group_failed": False})
             self._reports(s, sync, min(cfg.timeout_s, ABORT_GRACE_S))  # let the receivers settle
-            s.channel.done(sync)
+            s.channel.done(sync, n_buckets if s.acks else 0)
             raise TransferError(f"weight sync to version {version}: the trainer's weights could not be sent: {input_error!r}") from input_error
         s.channel.publish({"op": "end", "sync": sync, "version": version, "buckets": n_buckets, "bytes": n_bytes, "tensors": packer.tensors})
         t1 = time.perf_counter()
         reports = self._reports(s, sync, cfg.timeout_s)
         report_s = time.perf_counter() - t1
-        s.channel.done(sync)
+        s.channel.done(sync, n_buckets if s.acks else 0)
+        sent = dict(s.channel.stats)
         expect = {"version": version, "buckets": n_buckets, "bytes": n_bytes, "tensors": packer.tensors}
         problems = []
         alive = self._alive(s, [r for r in s.ranks if r not in reports])
@@ -415,6 +453,13 @@ class BucketSync:
             "sync/send_gb_per_s": n_bytes / send_s / 1e9 if send_s > 0 else 0.0,
             "sync/receiver_load_s_max": max(float(r.get("load_s", 0.0)) for r in reports.values()),
             "sync/receiver_wait_s_max": max(float(r.get("wait_s", 0.0)) for r in reports.values()),
+            # the side channel's traffic in this sync (store requests are round trips to the
+            # TCPStore's server; a receiver's counts are its whole session's, as of its report)
+            "sync/ack_wait_s": s.ack_wait_s,
+            "sync/sender_messages": float(sent.get("sent", 0) - stats0.get("sent", 0)),
+            "sync/sender_store_requests": float(sent.get("store_requests", 0) - stats0.get("store_requests", 0)),
+            "sync/receiver_messages_max": max(float(r.get("channel", {}).get("sent", 0)) for r in reports.values()),
+            "sync/receiver_store_requests_max": max(float(r.get("channel", {}).get("store_requests", 0)) for r in reports.values()),
         }
 
     def _reports(self, s: _Session, sync: int, wait_s: float) -> dict[int, dict[str, Any]]:
@@ -461,7 +506,8 @@ class BucketSync:
             return
         self._closed = True
         try:
-            self._executor.submit(self._drop_session).result(timeout=30)
+            # bounded: the byes (BYE_WAIT_S), then our collectives' deadline
+            self._executor.submit(self._drop_session).result(timeout=max(30.0, float(self.config.timeout_s) + G.RELEASE_GRACE_S + BYE_WAIT_S))
         except Exception:  # noqa: BLE001
             log.debug("closing the %s weight sync failed", self.sync_type, exc_info=True)
         self._executor.shutdown(wait=False)

@@ -83,7 +83,7 @@ checks that the two agree)."""
 IPC_CONFIG_DEFAULTS: dict[str, Any] = {
     "type": "cuda_ipc",
     "device": "auto",
-    "bucket_megabytes": 512.0,
+    "bucket_megabytes": 1024.0,
     "wire_dtype": None,
     "verify": True,
     "metadata": "zmq",
@@ -226,13 +226,20 @@ class _DirectReceivers:
             raise ValueError(f"without the plugin host only {', '.join(RECEIVERS)} receivers can be built, not {sync_type!r}")
         old = self.by_type.pop(sync_type, None)
         if old is not None:
-            old.close()
+            await _closed(old)
         cls = _resolve(RECEIVERS[sync_type])
         self.by_type[sync_type] = cls(params, sink=engine.load_weights, loop=asyncio.get_running_loop(), name=replica).start()
 
     async def close(self) -> None:
         while self.by_type:
-            self.by_type.popitem()[1].close()
+            await _closed(self.by_type.popitem()[1])
+
+
+async def _closed(receiver: Any) -> None:
+    """Close a receiver and wait for its thread (its ``close`` returns an awaitable on a loop)."""
+    result = receiver.close()
+    if result is not None and hasattr(result, "__await__"):
+        await result
 
 
 def _child_main(conn: Any, factory: str, kwargs: dict[str, Any], name: str, cuda_device: int | None, threads: int, plugin_host: bool) -> None:
