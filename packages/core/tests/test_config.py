@@ -150,3 +150,16 @@ def test_gpu_shares_that_fit(overrides):
 def test_gpu_shares_that_cannot_fit_fail_naming_the_field(overrides, field):
     with pytest.raises(ConfigError, match=re.escape(field)):
         load_config(None, overrides)
+
+
+def test_a_run_directorys_preset_model_section_validates_again():
+    """``--resume`` re-reads the run's config.yaml: a tiny_preset model section must validate
+    again and mean the same model, whether written whole (older runs) or as given."""
+    from ferryman.config import ModelConfig
+
+    m = ModelConfig(path="x", build_tiny=True, tiny_preset="qwen2.5-0.5b", tiny_dtype="bfloat16")
+    ModelConfig.model_validate(m.model_dump(mode="json"))  # the whole section, defaults and all
+    again = ModelConfig.model_validate(m.model_dump(mode="json", exclude_unset=True))
+    assert again.tiny_build_kwargs(0) == m.tiny_build_kwargs(0)
+    with pytest.raises(ValueError, match="tiny_hidden_size"):
+        ModelConfig(path="x", tiny_preset="qwen2.5-0.5b", tiny_hidden_size=128)

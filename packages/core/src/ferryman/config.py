@@ -96,7 +96,9 @@ class ModelConfig(Strict):
             if self.tiny_dtype != "float32":
                 raise ValueError("tiny_dtype: only a tiny_preset model is stored in another dtype than float32")
             return self
-        if "tiny_hidden_size" in self.model_fields_set:
+        # (a run directory's config.yaml from before the model section was written unset-free
+        # holds the default hidden size: not a choice, so not refused)
+        if "tiny_hidden_size" in self.model_fields_set and self.tiny_hidden_size != type(self).model_fields["tiny_hidden_size"].default:
             raise ValueError(f"tiny_hidden_size: tiny_preset {self.tiny_preset!r} fixes the hidden size; set only tiny_num_layers to shrink it")
         return self
 

@@ -710,7 +710,12 @@ def run(cfg: RunConfig, host: PluginHost | None = None, *, resume: str | Path | 
     prepare_model(cfg)
     check_env(cfg, host, plugin_cfgs)  # before the run directory, Ray or any engine exists
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    dumped = cfg.model_dump(mode="json")
+    # the model section as given: with tiny_preset, a field left unset means "the preset's"
+    # (tiny_num_layers, tiny_max_positions), so writing its default would change the model a
+    # later build makes, and tiny_hidden_size set beside a preset is refused
+    dumped["model"] = cfg.model.model_dump(mode="json", exclude_unset=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(dumped, sort_keys=False))
     host.notify("ferryman_on_run_start", config=cfg, run_dir=str(run_dir))
     trace.configure(run_dir, cfg.trace.level, proc="driver")
     trace.instant("run.start", mode=cfg.async_training.mode, funnel=cfg.funnel(), runtime=cfg.runtime)
