@@ -7,9 +7,11 @@ the env's own ``score_sequence``, GRPO advantages and the clipped PPO loss from
 ``ferryman.algorithms`` (token-mean, the entropy bonus as the FSDP trainer adds it), one AdamW
 step (linear warmup, gradient clip 1.0, the trainer's defaults). It leaves out what the pipeline
 adds on top: staleness (samples up to one version old), several engine replicas, the weight
-sync. So it is a fast way (seconds per hundred steps on a CPU for the tiny shape) to compare
-learning rates, entropy bonuses, group sizes and task variants before a GPU run; the pipeline's
-own CPU run confirms the chosen setting (``bench/results/sequence_cpu.md``).
+sync. So it is a fast way (under a minute per hundred steps on a CPU for the tiny shape, 256
+answers a step) to compare learning rates, entropy bonuses, group sizes and task variants, and
+(``--preset``) to measure how far one step moves a real shape's policy, before a GPU run
+(``bench/results/sequence_cpu.md``). What it finds is a claim about the arithmetic; the
+pipeline's run on the GPU is what tests it.
 
     python bench/sequence_dynamics.py --steps 300 --lr 1e-3 --entropy 0.01 --out /tmp/dyn.jsonl
 
