@@ -123,20 +123,24 @@ async def _resumed(partial: bool, steps: int, cut_step: int, freeze: bool, env: 
     for _ in range(steps - cut_step):
         await second.step()
     await second.close()
-    return first.trained + second.trained, info, second.r
+    # whether the cut caught a generation part-way (tokens out, then aborted): only then is a
+    # call resumed from its recorded prefix (a loaded machine may cut only between calls)
+    had_partial = any(rec.partial is not None and rec.partial.token_ids
+                      for item in rstate["inflight"] for rec in item["logs"].values())
+    return first.trained + second.trained, info, second.r, had_partial
 
 
 @pytest.mark.parametrize("partial,freeze", [(True, False), (True, True), (False, True)], ids=["sync-cut", "freeze-partial", "freeze-on-policy"])
 async def test_resume_gives_the_same_samples_and_tokens(partial, freeze):
     steps, cut = 5, 2
     expected = await _uninterrupted(partial, steps)
-    trained, info, r = await _resumed(partial, steps, cut, freeze, EchoEnv(num_tasks=5, turns=2))
+    trained, info, r, had_partial = await _resumed(partial, steps, cut, freeze, EchoEnv(num_tasks=5, turns=2))
     uids = [s.uid for s in trained]
     assert len(uids) == len(set(uids)), "a sample trained twice"
     assert sorted(uids) == sorted(s.uid for s in expected), "the same set of samples"
     assert _tokens(trained) == _tokens(expected), "resumed trajectories equal uninterrupted ones"
     assert info["replayed_runs"] >= 1 and info["redispatched_runs"] == 0
-    assert r.recorder.resumed_calls >= 1 and r.recorder.diverged_runs == 0
+    assert r.recorder.resumed_calls >= (1 if had_partial else 0) and r.recorder.diverged_runs == 0
     assert any(t.num_aborts for s in trained for t in s.trajectories)
 
 
@@ -146,7 +150,7 @@ async def test_runs_of_a_black_box_env_are_redispatched_and_counted():
 
     steps, cut = 4, 2
     expected = await _uninterrupted(True, steps)
-    trained, info, r = await _resumed(True, steps, cut, True, BlackBox(num_tasks=5, turns=2))
+    trained, info, r, _ = await _resumed(True, steps, cut, True, BlackBox(num_tasks=5, turns=2))
     assert sorted(s.uid for s in trained) == sorted(s.uid for s in expected)
     assert info["redispatched_runs"] >= 1 and info["replayed_runs"] == 0 and info["discarded_tokens"] > 0
     assert r.total_redispatched_runs == info["redispatched_runs"]
