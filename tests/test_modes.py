@@ -144,7 +144,10 @@ def test_mode_d_partial_rollout_resumes_across_syncs(tmp_path, tiny_model):
     for r in rows:
         assert r["partial/resumed_share"] * W >= r["partial/resumed_samples"]
         assert r["sync/generation_pause_s"] >= r["sync/transfer_s"]
-        assert r["perf/generated_tokens_per_s"] > 0
+        # tokens count when a call returns (finished or cut): a step shorter than a generation
+        # can see none come back, so only the run's average must be positive in every row
+        assert r["perf/generated_tokens_per_s"] >= 0 and r["perf/generated_tokens_per_s_avg"] > 0
+    assert any(r["perf/generated_tokens_per_s"] > 0 for r in rows)
     png = tmp_path / "chart.png"
     assert main(["timeline", str(run_dir), "-o", str(png), "--steps", "2:6"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
