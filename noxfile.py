@@ -25,8 +25,11 @@ PACKAGES = {
     # its CPU tests run over a named fake core: vLLM (the package's `vllm` extra) is not installed
     "engine_vllm": "packages/engine-vllm",
     "engine_sglang": "packages/engine-sglang",
+    # with megatron-core (the `megatron` extra): its CPU tests run the real Megatron-core on gloo
+    # ranks with its CUDA-only calls patched (tests/megatron_cpu_patches.py)
+    "trainer_megatron": "packages/trainer-megatron",
 }
-EXTRAS = {"proxy": "[test]"}
+EXTRAS = {"proxy": "[test]", "trainer_megatron": "[megatron]"}
 """Extras a package's own tests need (installed with it in its session and in integration)."""
 
 

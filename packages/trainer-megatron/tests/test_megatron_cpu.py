@@ -1,6 +1,14 @@
-"""The converters and the config mapping against the real Megatron-core (when it is installed:
-the ``megatron`` extra), on two gloo CPU ranks with tensor parallelism 2 (see
-megatron_cpu_check.py for the three CUDA-only calls it patches in its own processes).
+"""The real Megatron-core on the CPU (when it is installed: the ``megatron`` extra; the nox
+session ``trainer_megatron`` installs it), each check in its own processes because
+megatron_cpu_patches.py patches Megatron's CUDA-only calls process-wide:
+
+- the converters and the config mapping: two gloo ranks with tensor parallelism 2, logits and
+  vocab-parallel log-probs equal HF's for every family (megatron_cpu_check.py);
+- the generic TrainerContract (with a critic and GAE) on the real ``MegatronRuntime``, one rank
+  (megatron_cpu_contract.py);
+- the runtime on two ranks, tensor parallel 2 and data parallel 2: log-probs equal HF's, the
+  exported weights are HF's, an update changes them, and a ``dist_checkpointing`` round trip
+  restores weights and optimizer (megatron_cpu_runtime.py).
 
 Tolerance: both models compute in float32 with a different order of operations (fused QKV,
 Megatron's RMSNorm and rotary code); over 2 layers of width 32 with logits of magnitude ~5 the
@@ -10,6 +18,7 @@ still catches any layout error (a swapped head or gate/up half moves logits by O
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,15 +27,20 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra 'megatron')")
 
+HERE = Path(__file__).parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _torchrun(script: str, nproc: int, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(HERE / script)],
+        capture_output=True, text=True, timeout=400, env={**ENV, **env},
+    )
+
 
 @pytest.mark.slow
 def test_real_megatron_gpt_matches_hf_for_every_family_with_tp2():
-    script = Path(__file__).with_name("megatron_cpu_check.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        capture_output=True, text=True, timeout=400, env=env,
-    )
+    proc = _torchrun("megatron_cpu_check.py", 2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {line.split()[1]: (float(line.split()[2]), float(line.split()[3]))
                for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
@@ -34,3 +48,22 @@ def test_real_megatron_gpt_matches_hf_for_every_family_with_tp2():
     for family, (logit_diff, lp_diff) in results.items():
         assert logit_diff < 1e-4, (family, logit_diff)
         assert lp_diff < 1e-4, (family, lp_diff)
+
+
+@pytest.mark.slow
+def test_trainer_contract_on_the_real_runtime(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", f"--basetemp={tmp_path}",
+         str(HERE / "megatron_cpu_contract.py")],
+        capture_output=True, text=True, timeout=600, env=ENV,
+    )
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
+    assert re.search(r"\b11 passed\b", proc.stdout), proc.stdout[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
+def test_runtime_on_two_ranks_logprobs_update_checkpoint(tp):
+    proc = _torchrun("megatron_cpu_runtime.py", 2, CHECK_TP=str(tp))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "RESULT ok" in proc.stdout, proc.stdout[-2000:]

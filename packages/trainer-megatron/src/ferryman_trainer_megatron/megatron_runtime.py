@@ -57,15 +57,19 @@ class _Handle:
 
 
 class _ValueHead(torch.nn.Module):
+    """The critic's output layer: hidden -> one value per token. Its parameters are named
+    ``weight`` and ``bias`` (not a nested ``Linear``): Megatron's ``sharded_state_dict`` of a
+    ``GPTModel`` expects ``output_layer.weight`` on the last stage."""
+
     def __init__(self, hidden: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.linear = torch.nn.Linear(hidden, 1, dtype=dtype)
-        torch.nn.init.normal_(self.linear.weight, std=0.02)
-        torch.nn.init.zeros_(self.linear.bias)
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        torch.nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, hidden_states: torch.Tensor, **_: Any) -> torch.Tensor:
         # [s, b, h] -> [b, s]
-        return self.linear(hidden_states)[..., 0].transpose(0, 1).float()
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias)[..., 0].transpose(0, 1).float()
 
 
 class MegatronRuntime:

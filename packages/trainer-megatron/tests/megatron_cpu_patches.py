@@ -1,0 +1,92 @@
+"""Megatron-core on the CPU, for tests only: Megatron has no CPU path, so ``apply()`` patches
+its CUDA-only calls *in the calling process* (a test runs it in its own subprocess):
+
+- ``torch.cuda.current_device`` -> "cpu" (the rotary embedding moves its frequencies there);
+- small tensors the optimizer and the schedule allocate with ``device="cuda"`` (loss scale,
+  grad norm, the token counter) go to the CPU, inside those calls only (a global
+  ``torch.tensor`` wrapper was seen to change the model's forward);
+- grad clipping (it asserts ``torch.cuda.FloatTensor`` and scales with a CUDA kernel) is the
+  same arithmetic on CPU tensors;
+- ``torch.cuda.current_stream`` / ``synchronize`` / ``empty_cache`` are no-ops (the grad sync
+  waits on CUDA-graph events that do not exist here);
+- the model-parallel RNG tracker's ``fork`` is a no-op (dropout is 0).
+
+The distributed optimizer is not covered: it refuses CPU parameters outright."""
+
+import contextlib
+
+import torch
+
+_APPLIED = False
+
+
+def _cpu(fn):
+    def wrapped(*args, **kwargs):
+        dev = kwargs.get("device")
+        if dev is not None and str(dev).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def _cpu_tensors(names=("tensor", "zeros", "empty", "ones", "full")):
+    saved = {n: getattr(torch, n) for n in names}
+    for n, fn in saved.items():
+        setattr(torch, n, _cpu(fn))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch, n, fn)
+
+
+def _inside_cpu_tensors(fn, names=("tensor", "zeros", "empty", "ones", "full")):
+    def wrapped(*a, **k):
+        with _cpu_tensors(names):
+            return fn(*a, **k)
+
+    return wrapped
+
+
+def _clip_on_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Scale every grad by max_norm / (norm + 1e-6) when that is below 1 (Megatron's rule)."""
+    coeff = max_norm / (float(total_norm) + 1.0e-6)
+    if coeff < 1.0:
+        for p in parameters:
+            g = getattr(p, "decoupled_grad" if use_decoupled_grad else "grad", None)
+            if g is not None:
+                g.detach().mul_(coeff)
+
+
+class _NoStream:
+    def wait_event(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+
+def apply() -> None:
+    global _APPLIED
+    if _APPLIED:
+        return
+    _APPLIED = True
+    torch.set_num_threads(1)
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda *a, **k: None
+    import megatron.core.optimizer as mopt
+    import megatron.core.optimizer.optimizer as mopt_impl
+    import megatron.core.pipeline_parallel.schedules as sched
+    from megatron.core import tensor_parallel
+
+    mopt.get_megatron_optimizer = _inside_cpu_tensors(mopt.get_megatron_optimizer)
+    for cls in (mopt_impl.FP32Optimizer, mopt_impl.ChainedOptimizer, mopt_impl.Float16OptimizerWithFloat16Params):
+        cls.step = _inside_cpu_tensors(cls.step)
+    mopt_impl.clip_grad_by_total_norm_fp32 = _clip_on_cpu
+    # zeros only: the forward runs inside the schedule
+    sched.forward_backward_no_pipelining = _inside_cpu_tensors(sched.forward_backward_no_pipelining, ("zeros",))
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
