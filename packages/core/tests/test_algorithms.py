@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from ferryman.algorithms import (
+    actor_objective,
     agg_loss,
+    agg_units,
     compute_gae,
     compute_grpo_advantages,
     entropy_from_logits,
@@ -360,6 +362,62 @@ def test_ppo_policy_loss_clip_and_dual_clip() -> None:
     # d(-A*ratio)/dlogp = -A*ratio on unclipped tokens (b: -0.5, e: -2), /5; clipped -> 0
     assert logp.grad is not None
     close(logp.grad, [[0.0, -0.1, 0.0], [0.0, -0.4, 0.0]])
+
+
+def _settings(**kw):
+    from ferryman.config import AlgorithmConfig
+
+    return AlgorithmConfig(**kw)
+
+
+def test_actor_objective_adds_entropy_and_kl_terms() -> None:
+    logp, old, adv, mask = _ppo_case()
+    logp.requires_grad_(True)
+    # entropy 1 on every trained token of row 0, 3 on row 1 -> token-mean (3*1 + 2*3)/5 = 1.8
+    ent = torch.tensor([[1.0, 1.0, 1.0], [3.0, 3.0, 9.0]], requires_grad=True)
+    # reference log-probs equal to logp except token b (logp - ln2): k1 = logp - ref = ln2 there
+    ref = (logp.detach() - torch.tensor([[0.0, LN2, 0.0], [0.0, 0.0, 0.0]])).clone()
+    alg = _settings(entropy_coeff=0.1, kl_coef=0.5, kl_type="k1")
+    loss, m = actor_objective(logp, ent, old, adv, mask, alg, ref_log_probs=ref)
+    # pg 0.02 (test above) - 0.1 * 1.8 + 0.5 * (ln2 / 5)
+    close(loss, 0.02 - 0.18 + 0.5 * LN2 / 5)
+    assert m["pg_loss"] == pytest.approx(0.02, abs=1e-6)
+    assert m["entropy"] == pytest.approx(1.8, abs=1e-6)
+    assert m["kl_loss"] == pytest.approx(LN2 / 5, abs=1e-6)
+    assert m["pg_clipfrac"] == pytest.approx(0.4) and set(m) == {"pg_loss", "kl_loss", "entropy", "pg_clipfrac", "ppo_kl"}
+    loss.backward()
+    # the entropy term's gradient: -0.1 / 5 on every trained token, 0 elsewhere
+    close(ent.grad, [[-0.02, -0.02, -0.02], [-0.02, -0.02, 0.0]])
+
+
+def test_actor_objective_without_entropy_coeff_reports_it_detached() -> None:
+    logp, old, adv, mask = _ppo_case()
+    ent = torch.ones(2, 3, requires_grad=True)
+    loss, m = actor_objective(logp.requires_grad_(True), ent, old, adv, mask, _settings(kl_coef=0.0))
+    close(loss, 0.02)
+    assert m["entropy"] == pytest.approx(1.0) and m["kl_loss"] == 0.0
+    loss.backward()
+    assert ent.grad is None
+    with pytest.raises(ValueError, match="ref_log_probs"):
+        actor_objective(logp, ent, old, adv, mask, _settings(kl_coef=0.1))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("runs", [False, True])
+def test_agg_units_weigh_micro_batches_to_the_whole_loss(mode: str, runs: bool) -> None:
+    # rows 0+1 are one run split in two (3 + 2 tokens), row 2 is its own run, row 3 is empty
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0], [7.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    run_tokens = torch.tensor([5.0, 5.0, 1.0, 1.0]) if runs else None
+    whole = agg_loss(loss, mask, mode, run_tokens)
+    parts = [[0], [1, 3], [2]]
+    units = [agg_units(mask[p], mode, None if run_tokens is None else run_tokens[p]) for p in parts]
+    # hand values: token-mean 6 tokens; rows 3 (rows 0, 1, 2); runs 3/5 + 2/5 + 1 = 2
+    assert sum(units) == pytest.approx({"token-mean": 6.0}.get(mode, 2.0 if runs else 3.0))
+    total = sum(u / sum(units) * agg_loss(loss[p], mask[p], mode, None if run_tokens is None else run_tokens[p]) for u, p in zip(units, parts))
+    close(total, float(whole))
+    with pytest.raises(ValueError, match="aggregation"):
+        agg_units(mask, "sum")
 
 
 def test_ppo_policy_loss_clip_higher() -> None:

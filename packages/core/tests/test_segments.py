@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ferryman.algorithms import agg_loss, compute_grpo_advantages
-from ferryman.batch import build_train_batch
+from ferryman.batch import build_train_batch, split_groups
 from ferryman.types import Sample, Trajectory
 
 
@@ -106,3 +106,12 @@ def test_build_train_batch_indexes_runs():
     adv = compute_grpo_advantages(batch.scores, batch.group_index, batch.loss_mask, run_index=batch.run_index)
     # group 0: runs r1 (1), r2 (0), the unnamed one (0) -> 1.1547005 on both r1 segments
     assert adv[0].max().item() == pytest.approx(1.1547005, abs=1e-5) and adv[1].max().item() == pytest.approx(1.1547005, abs=1e-5)
+
+
+def test_mini_batches_keep_groups_together():
+    groups = torch.tensor([0, 0, 1, 1, 1, 2, 2, 3])
+    assert split_groups(groups, 2) == [[0, 1, 2, 3, 4], [5, 6, 7]]
+    assert split_groups(groups, 10) == [[0, 1], [2, 3, 4], [5, 6], [7]]
+    assert split_groups(groups, 1) == [list(range(8))]
+    # groups keep their order of first appearance, interleaved rows included
+    assert split_groups(torch.tensor([5, 3, 5, 3]), 2) == [[0, 2], [1, 3]]

@@ -226,15 +226,6 @@ def test_micro_batching_with_split_runs_does_not_change_the_update(make_trainer)
     assert plain["actor/pg_loss"] != pytest.approx(m_huge["actor/pg_loss"], rel=1e-3)
 
 
-def test_mini_batches_keep_groups_together():
-    from ferryman_trainer_fsdp.trainer import _split_groups
-
-    groups = torch.tensor([0, 0, 1, 1, 1, 2, 2, 3])
-    assert _split_groups(groups, 2) == [[0, 1, 2, 3, 4], [5, 6, 7]]
-    assert _split_groups(groups, 10) == [[0, 1], [2, 3, 4], [5, 6], [7]]
-    assert _split_groups(groups, 1) == [list(range(8))]
-
-
 def test_kl_loss_uses_the_frozen_reference(make_trainer):
     trainer = make_trainer(lr=1e-2, algorithm=AlgorithmConfig(kl_coef=0.5, kl_type="k3"))
     assert trainer.has_reference and not trainer.has_critic

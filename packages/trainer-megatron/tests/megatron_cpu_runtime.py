@@ -82,6 +82,9 @@ def main() -> None:
     w3b = collect_weights(backend)
     for k in w3:
         torch.testing.assert_close(w3b[k], w3[k], atol=1e-6, rtol=1e-5)
+    # the step after the restore is the same step: same loss and gradient norm
+    assert math.isclose(m3b["actor/pg_loss"], m3["actor/pg_loss"], rel_tol=1e-5, abs_tol=1e-6), (m3, m3b)
+    assert math.isclose(m3b["actor/grad_norm"], m3["actor/grad_norm"], rel_tol=1e-5), (m3, m3b)
     backend.load_checkpoint(ckpt)
     assert all(torch.equal(collect_weights(backend)[k], w0[k]) for k in w0)
     backend.close()

@@ -15,7 +15,7 @@ Conventions (shared with :mod:`ferryman.batch`):
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -27,6 +27,7 @@ __all__ = [
     "masked_mean",
     "masked_whiten",
     "agg_loss",
+    "agg_units",
     "log_probs_from_logits",
     "entropy_from_logits",
     "lean_log_probs_from_logits",
@@ -35,6 +36,8 @@ __all__ = [
     "compute_gae",
     "compute_grpo_advantages",
     "ppo_policy_loss",
+    "ActorLossSettings",
+    "actor_objective",
     "value_loss",
     "kl_penalty",
     "rollout_is_weights",
@@ -159,6 +162,27 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, run_tokens: 
         has_tokens = (count > 0).to(seq.dtype)
         return masked_sum(seq, has_tokens) / has_tokens.sum().clamp_min(1.0)
     raise ValueError(f"unknown loss aggregation mode {mode!r}; allowed: {', '.join(AGG_MODES)}")
+
+
+def agg_units(mask: torch.Tensor, mode: str, run_tokens: torch.Tensor | None = None) -> float:
+    """The units :func:`agg_loss` averages over in a (micro-)batch: masked tokens for
+    ``token-mean``; for the seq-mean modes, rows with at least one masked token, or with
+    ``run_tokens`` each row's ``row tokens / run tokens`` of its run. A trainer that splits a
+    mini-batch into micro-batches weighs micro-batch ``i``'s loss by ``units_i / sum(units)``:
+    the weighted sum then equals :func:`agg_loss` of the whole mini-batch.
+
+    Raises:
+        ValueError: unknown ``mode``.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; allowed: {', '.join(AGG_MODES)}")
+    count = mask.double().sum(-1)
+    if mode == "token-mean":
+        return float(count.sum().item())
+    if run_tokens is None:
+        return float((count > 0).sum().item())
+    run = run_tokens.double().clamp_min(1e-8)
+    return float(torch.where(count > 0, count / run, torch.zeros_like(count)).sum().item())
 
 
 # --------------------------------------------------------------------------------------------
@@ -474,6 +498,73 @@ def ppo_policy_loss(
             "ratio_mean": float(masked_mean(ratio.detach(), m).item()),
         }
     return loss, metrics
+
+
+class ActorLossSettings(Protocol):
+    """What :func:`actor_objective` reads (``ferryman.config.AlgorithmConfig`` has them)."""
+
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    loss_agg_mode: str
+    entropy_coeff: float
+    kl_coef: float
+    kl_type: str
+
+
+def actor_objective(
+    log_probs: torch.Tensor,
+    entropy: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    alg: ActorLossSettings,
+    *,
+    ref_log_probs: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+    run_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The actor loss of one (micro-)batch, the same for every trainer backend::
+
+        loss = ppo_policy_loss(...) - entropy_coeff * agg(entropy) + kl_coef * agg(kl_penalty)
+
+    each term aggregated with ``alg.loss_agg_mode`` and ``run_tokens`` (:func:`agg_loss`).
+    ``entropy`` (``[B, T]``, aligned like ``log_probs``) carries a gradient only when
+    ``entropy_coeff != 0``; otherwise it is reported, detached. ``ref_log_probs`` is needed
+    when ``kl_coef > 0``.
+
+    Returns the loss and float metrics ``pg_loss``, ``kl_loss``, ``entropy``, ``pg_clipfrac``,
+    ``ppo_kl``.
+
+    Raises:
+        ValueError: ``kl_coef > 0`` without ``ref_log_probs``.
+    """
+    agg = alg.loss_agg_mode
+    pg_loss, pg_m = ppo_policy_loss(
+        log_probs, old_log_probs, advantages, mask,
+        clip_low=alg.clip_ratio_low, clip_high=alg.clip_ratio_high, clip_c=alg.clip_ratio_c,
+        agg=agg, is_weights=is_weights, run_tokens=run_tokens,
+    )
+    loss = pg_loss
+    if alg.entropy_coeff != 0:
+        ent_loss = agg_loss(entropy, mask, agg, run_tokens)
+        loss = loss - alg.entropy_coeff * ent_loss
+    else:
+        ent_loss = agg_loss(entropy.detach(), mask, agg, run_tokens)
+    kl_value = 0.0
+    if alg.kl_coef > 0:
+        if ref_log_probs is None:
+            raise ValueError("actor_objective: kl_coef > 0 needs ref_log_probs")
+        kl_loss = agg_loss(kl_penalty(log_probs, ref_log_probs, alg.kl_type), mask, agg, run_tokens)
+        loss = loss + alg.kl_coef * kl_loss
+        kl_value = float(kl_loss.detach().item())
+    return loss, {
+        "pg_loss": float(pg_loss.detach().item()),
+        "kl_loss": kl_value,
+        "entropy": float(ent_loss.detach().item()),
+        "pg_clipfrac": pg_m["pg_clipfrac"],
+        "ppo_kl": pg_m["ppo_kl"],
+    }
 
 
 def value_loss(

@@ -120,6 +120,28 @@ class TrainBatch:
             yield current, self.select(current)
 
 
+def split_groups(group_index: torch.Tensor, n: int) -> list[list[int]]:
+    """Row indices of ``n`` mini-batches (fewer when there are fewer groups): the rows of one
+    group (GRPO's prompt group) stay together, groups keep their order of first appearance and
+    are spread as evenly as possible."""
+    order: list[int] = []
+    rows_of: dict[int, list[int]] = {}
+    for row, g in enumerate(group_index.tolist()):
+        if g not in rows_of:
+            rows_of[g] = []
+            order.append(g)
+        rows_of[g].append(row)
+    n = max(1, min(int(n), len(order)))
+    base, extra = divmod(len(order), n)
+    out: list[list[int]] = []
+    start = 0
+    for i in range(n):
+        size = base + (1 if i < extra else 0)
+        out.append([r for g in order[start : start + size] for r in rows_of[g]])
+        start += size
+    return [rows for rows in out if rows]
+
+
 def build_train_batch(samples: list[Sample], pad_token_id: int) -> TrainBatch:
     """Pack the trajectories of ``samples`` (each a GRPO group) into a TrainBatch."""
     rows = []

@@ -40,15 +40,14 @@ import torch.nn.functional as F
 from pydantic import Field, field_validator
 
 from ferryman.algorithms import (
-    agg_loss,
+    actor_objective,
+    agg_units,
     entropy_from_logits,
-    kl_penalty,
     lean_entropy_from_logits,
     lean_log_probs_from_logits,
-    ppo_policy_loss,
     value_loss,
 )
-from ferryman.batch import TrainBatch
+from ferryman.batch import TrainBatch, split_groups
 from ferryman.config import AlgorithmConfig, PluginConfig
 from ferryman.protocols import NamedTensors
 
@@ -249,38 +248,6 @@ def _clone_tree(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(_clone_tree(v) for v in obj)
     return obj
-
-
-def _seq_units(batch: TrainBatch) -> float:
-    """Sequence units of a (micro-)batch for the seq-mean loss modes, as
-    :func:`ferryman.algorithms.agg_loss` counts them: each row with a masked token is one unit,
-    or ``row tokens / run tokens`` of one when its run is split over several rows."""
-    count = batch.loss_mask.sum(-1).double()
-    if batch.run_tokens is None:
-        return float((count > 0).sum().item())
-    run = batch.run_tokens.double().clamp_min(1e-8)
-    return float(torch.where(count > 0, count / run, torch.zeros_like(count)).sum().item())
-
-
-def _split_groups(group_index: torch.Tensor, n: int) -> list[list[int]]:
-    """Row indices of ``n`` mini-batches; rows of one group stay together, groups keep their
-    order of first appearance and are spread as evenly as possible."""
-    order: list[int] = []
-    rows_of: dict[int, list[int]] = {}
-    for row, g in enumerate(group_index.tolist()):
-        if g not in rows_of:
-            rows_of[g] = []
-            order.append(g)
-        rows_of[g].append(row)
-    n = max(1, min(int(n), len(order)))
-    base, extra = divmod(len(order), n)
-    out: list[list[int]] = []
-    start = 0
-    for i in range(n):
-        size = base + (1 if i < extra else 0)
-        out.append([r for g in order[start : start + size] for r in rows_of[g]])
-        start += size
-    return [rows for rows in out if rows]
 
 
 def _shift_right(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -561,12 +528,9 @@ class FSDPTrainerBackend:
         loss`` equals the mini-batch loss. ``grad_weight = loss_share × world_size`` because
         FSDP averages gradients over ranks. ``token_share`` (share of masked tokens) weighs
         token-level metrics such as the clip fraction."""
-        token_mode = self.algorithm.loss_agg_mode == "token-mean"
+        mode = self.algorithm.loss_agg_mode
         tokens = [float(mb.batch.loss_mask.sum().item()) if mb.real else 0.0 for mb in mbs]
-        if token_mode:
-            units = tokens
-        else:
-            units = [_seq_units(mb.batch) if mb.real else 0.0 for mb in mbs]
+        units = [agg_units(mb.batch.loss_mask, mode, mb.batch.run_tokens) if mb.real else 0.0 for mb in mbs]
         totals = self._all_reduce(torch.tensor([sum(units), sum(tokens)], dtype=torch.float64))
         total_units, total_tokens = float(totals[0]), float(totals[1])
         out = []
@@ -610,7 +574,7 @@ class FSDPTrainerBackend:
         use_kl = alg.kl_coef > 0
         if use_kl and batch.ref_log_probs is None:
             batch = replace(batch, ref_log_probs=self.compute_ref_log_probs(batch))
-        mini_batches = _split_groups(batch.group_index, int(batch.meta.get("num_mini_batches", 1)))
+        mini_batches = split_groups(batch.group_index, int(batch.meta.get("num_mini_batches", 1)))
 
         sums: dict[str, float] = {}
         counts: dict[str, float] = {}
@@ -630,42 +594,27 @@ class FSDPTrainerBackend:
                     logits = self._logits(self.actor, sub)
                     lp = self._token_log_probs(logits, sub)
                     dev = lp.device
-                    mask = sub.loss_mask.to(dev, torch.float32)
-                    run_tokens = None if sub.run_tokens is None else sub.run_tokens.to(dev, torch.float32)
-                    pg_loss, pg_m = ppo_policy_loss(
+                    if alg.entropy_coeff != 0:
+                        ent = entropy_from_logits(logits[:, :-1])
+                    else:  # reported only: no graph kept
+                        ent = lean_entropy_from_logits(logits[:, :-1], self.config.log_prob_chunk_tokens)
+                    loss, am = actor_objective(
                         lp,
+                        _shift_right(ent, sub.seq_len),
                         sub.old_log_probs.to(dev, torch.float32),
                         sub.advantages.to(dev, torch.float32),
-                        mask,
-                        clip_low=alg.clip_ratio_low,
-                        clip_high=alg.clip_ratio_high,
-                        clip_c=alg.clip_ratio_c,
-                        agg=alg.loss_agg_mode,
+                        sub.loss_mask.to(dev, torch.float32),
+                        alg,
+                        ref_log_probs=sub.ref_log_probs.to(dev, torch.float32) if use_kl else None,
                         is_weights=None if sub.is_weights is None else sub.is_weights.to(dev, torch.float32),
-                        run_tokens=run_tokens,
+                        run_tokens=None if sub.run_tokens is None else sub.run_tokens.to(dev, torch.float32),
                     )
-                    loss = pg_loss
-                    if alg.entropy_coeff != 0:
-                        ent = _shift_right(entropy_from_logits(logits[:, :-1]), sub.seq_len)
-                        ent_loss = agg_loss(ent, mask, alg.loss_agg_mode, run_tokens)
-                    else:
-                        ent = lean_entropy_from_logits(logits[:, :-1], self.config.log_prob_chunk_tokens)
-                        ent_loss = agg_loss(_shift_right(ent, sub.seq_len), mask, alg.loss_agg_mode, run_tokens).detach()
-                    if alg.entropy_coeff != 0:
-                        loss = loss - alg.entropy_coeff * ent_loss
-                    kl_value = 0.0
-                    if use_kl:
-                        kl = kl_penalty(lp, sub.ref_log_probs.to(dev, torch.float32), alg.kl_type)
-                        kl_loss = agg_loss(kl, mask, alg.loss_agg_mode, run_tokens)
-                        loss = loss + alg.kl_coef * kl_loss
-                        kl_value = float(kl_loss.detach().item())
                     (loss * w).backward()
                     if mb.real:
-                        add("actor/pg_loss", float(pg_loss.detach().item()), share)
-                        add("actor/kl_loss", kl_value, share)
-                        add("actor/entropy", float(ent_loss.detach().item()), share)
-                        add("actor/pg_clipfrac", pg_m["pg_clipfrac"], tok_share)
-                        add("actor/ppo_kl", pg_m["ppo_kl"], tok_share)
+                        for key in ("pg_loss", "kl_loss", "entropy"):
+                            add(f"actor/{key}", am[key], share)
+                        add("actor/pg_clipfrac", am["pg_clipfrac"], tok_share)
+                        add("actor/ppo_kl", am["ppo_kl"], tok_share)
                 lr = float(self.actor_optim.param_groups[0]["lr"])
                 norm = self._optimizer_step(self.actor, self.actor_optim, self.actor_sched)
                 self.counters["actor_steps"] += 1
@@ -683,7 +632,7 @@ class FSDPTrainerBackend:
         if batch.values is None or batch.returns is None:
             raise ValueError("update_critic: the batch needs values (old values) and returns")
         alg = self.algorithm
-        mini_batches = _split_groups(batch.group_index, int(batch.meta.get("num_mini_batches", 1)))
+        mini_batches = split_groups(batch.group_index, int(batch.meta.get("num_mini_batches", 1)))
         sums: dict[str, float] = {}
         counts: dict[str, float] = {}
 

@@ -35,8 +35,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from ferryman.algorithms import agg_loss, kl_penalty, ppo_policy_loss, value_loss
-from ferryman.batch import TrainBatch
+from ferryman.algorithms import actor_objective, agg_units, value_loss
+from ferryman.batch import TrainBatch, split_groups
 from ferryman.config import AlgorithmConfig
 from ferryman.protocols import NamedTensors
 from ferryman_trainer_megatron.config import MegatronTrainerConfig
@@ -153,73 +153,18 @@ def token_log_probs(out: LogitsShard, sub: TrainBatch, chunk_tokens: int) -> tup
 def actor_loss(
     lp: torch.Tensor, ent: torch.Tensor, sub: TrainBatch, alg: AlgorithmConfig
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The actor objective of one micro-batch, from :mod:`ferryman.algorithms` (the same as the
-    fsdp backend's): ``ppo_policy_loss + kl_coef · agg(kl_penalty) − entropy_coeff · agg(entropy)``
-    with the run-aware aggregation (``run_tokens``). Returns the unweighted loss and metrics
-    (``pg_loss``, ``kl_loss``, ``entropy``, ``pg_clipfrac``, ``ppo_kl``)."""
+    """The actor objective of one micro-batch: :func:`ferryman.algorithms.actor_objective`
+    (the fsdp backend's too) over ``sub``'s tensors on ``lp``'s device."""
     dev = lp.device
-    mask = sub.loss_mask.to(dev, torch.float32)
-    run_tokens = None if sub.run_tokens is None else sub.run_tokens.to(dev, torch.float32)
-    pg_loss, pg_m = ppo_policy_loss(
-        lp,
-        sub.old_log_probs.to(dev, torch.float32),
-        sub.advantages.to(dev, torch.float32),
-        mask,
-        clip_low=alg.clip_ratio_low,
-        clip_high=alg.clip_ratio_high,
-        clip_c=alg.clip_ratio_c,
-        agg=alg.loss_agg_mode,
-        is_weights=None if sub.is_weights is None else sub.is_weights.to(dev, torch.float32),
-        run_tokens=run_tokens,
+
+    def on(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(dev, torch.float32)
+
+    return actor_objective(
+        lp, ent, on(sub.old_log_probs), on(sub.advantages), on(sub.loss_mask), alg,
+        ref_log_probs=on(sub.ref_log_probs) if alg.kl_coef > 0 else None,
+        is_weights=on(sub.is_weights), run_tokens=on(sub.run_tokens),
     )
-    loss = pg_loss
-    if alg.entropy_coeff != 0:
-        ent_loss = agg_loss(ent, mask, alg.loss_agg_mode, run_tokens)
-        loss = loss - alg.entropy_coeff * ent_loss
-    else:
-        ent_loss = agg_loss(ent.detach(), mask, alg.loss_agg_mode, run_tokens)
-    kl_value = 0.0
-    if alg.kl_coef > 0:
-        kl = kl_penalty(lp, sub.ref_log_probs.to(dev, torch.float32), alg.kl_type)
-        kl_loss = agg_loss(kl, mask, alg.loss_agg_mode, run_tokens)
-        loss = loss + alg.kl_coef * kl_loss
-        kl_value = float(kl_loss.detach().item())
-    return loss, {
-        "pg_loss": float(pg_loss.detach().item()),
-        "kl_loss": kl_value,
-        "entropy": float(ent_loss.detach().item()),
-        "pg_clipfrac": pg_m["pg_clipfrac"],
-        "ppo_kl": pg_m["ppo_kl"],
-    }
-
-
-def _seq_units(batch: TrainBatch) -> float:
-    """Aggregation units of the seq-mean modes, as :func:`ferryman.algorithms.agg_loss` counts
-    them (a row, or its share of a split run)."""
-    count = batch.loss_mask.sum(-1).double()
-    if batch.run_tokens is None:
-        return float((count > 0).sum().item())
-    run = batch.run_tokens.double().clamp_min(1e-8)
-    return float(torch.where(count > 0, count / run, torch.zeros_like(count)).sum().item())
-
-
-def _split_groups(group_index: torch.Tensor, n: int) -> list[list[int]]:
-    """Row indices of ``n`` mini-batches; a GRPO group stays in one."""
-    order: list[int] = []
-    rows_of: dict[int, list[int]] = {}
-    for row, g in enumerate(group_index.tolist()):
-        if g not in rows_of:
-            rows_of[g] = []
-            order.append(g)
-        rows_of[g].append(row)
-    n = max(1, min(int(n), len(order)))
-    base, extra = divmod(len(order), n)
-    out, start = [], 0
-    for i in range(n):
-        size = base + (1 if i < extra else 0)
-        out.append([r for g in order[start : start + size] for r in rows_of[g]])
-        start += size
-    return [rows for rows in out if rows]
 
 
 @dataclass
@@ -298,11 +243,9 @@ class MegatronTrainerBackend:
         """``(grad weight, loss share, token share)`` per local micro-batch: its share of the
         mini-batch's aggregation units over all data-parallel ranks (gradients are summed over
         them, so the grad weight is the share itself)."""
+        mode = self.algorithm.loss_agg_mode
         tokens = [float(mb.batch.loss_mask.sum().item()) if mb.real else 0.0 for mb in mbs]
-        if self.algorithm.loss_agg_mode == "token-mean":
-            units = tokens
-        else:
-            units = [_seq_units(mb.batch) if mb.real else 0.0 for mb in mbs]
+        units = [agg_units(mb.batch.loss_mask, mode, mb.batch.run_tokens) if mb.real else 0.0 for mb in mbs]
         totals = self.rt.dp_sum(torch.tensor([sum(units), sum(tokens)], dtype=torch.float64))
         tu, tt = float(totals[0]), float(totals[1])
         return [(u / tu if tu > 0 else 0.0, u / tu if tu > 0 else 0.0, t / tt if tt > 0 else 0.0) for u, t in zip(units, tokens, strict=True)]
@@ -371,7 +314,7 @@ class MegatronTrainerBackend:
             counts[key] = counts.get(key, 0.0) + weight
 
         reporters = float(self.rt.world_sum(torch.tensor([1.0 if self.rt.reporter else 0.0], dtype=torch.float64)).item())
-        mini_batches = _split_groups(batch.group_index, int(batch.meta.get("num_mini_batches", 1)))
+        mini_batches = split_groups(batch.group_index, int(batch.meta.get("num_mini_batches", 1)))
         for _ in range(self.config.ppo_epochs):
             for rows in mini_batches:
                 mbs = self._micro_batches(batch, rows)
