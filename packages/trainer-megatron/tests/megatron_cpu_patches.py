@@ -8,7 +8,8 @@ its CUDA-only calls *in the calling process* (a test runs it in its own subproce
 - grad clipping (it asserts ``torch.cuda.FloatTensor`` and scales with a CUDA kernel) is the
   same arithmetic on CPU tensors;
 - ``torch.cuda.current_stream`` / ``synchronize`` / ``empty_cache`` are no-ops (the grad sync
-  waits on CUDA-graph events that do not exist here);
+  waits on CUDA-graph events that do not exist here), ``Tensor.cuda()`` returns the tensor
+  (a tied embedding's last-stage copy under pipeline parallelism);
 - the model-parallel RNG tracker's ``fork`` is a no-op (dropout is 0).
 
 The distributed optimizer is not covered: it refuses CPU parameters outright."""
@@ -78,6 +79,8 @@ def apply() -> None:
     torch.cuda.current_stream = lambda *a, **k: _NoStream()
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.empty_cache = lambda *a, **k: None
+    # a tied embedding's last-stage copy is moved with .cuda() before its first all-reduce
+    torch.Tensor.cuda = lambda self, *a, **k: self
     import megatron.core.optimizer as mopt
     import megatron.core.optimizer.optimizer as mopt_impl
     import megatron.core.pipeline_parallel.schedules as sched
@@ -88,5 +91,6 @@ def apply() -> None:
         cls.step = _inside_cpu_tensors(cls.step)
     mopt_impl.clip_grad_by_total_norm_fp32 = _clip_on_cpu
     # zeros only: the forward runs inside the schedule
-    sched.forward_backward_no_pipelining = _inside_cpu_tensors(sched.forward_backward_no_pipelining, ("zeros",))
+    for name in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving"):
+        setattr(sched, name, _inside_cpu_tensors(getattr(sched, name), ("zeros",)))
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()

@@ -3,8 +3,12 @@ Megatron's CUDA-only calls patched in this process only (megatron_cpu_patches.py
 TrainerContract-like steps that matter: log-probs equal HF's, an update changes the weights and
 returns finite metrics, exported weights equal an HF state dict layout, a dist_checkpointing
 save/load round trip restores the weights and the optimizer (the next step is the same).
-``CHECK_TP`` (default 1) sets tensor parallelism; the other ranks are data parallel (plain
-DDP: the distributed optimizer refuses CPU parameters). Prints ``RESULT ok`` on success."""
+``CHECK_TP`` / ``CHECK_PP`` (default 1) set tensor and pipeline parallelism; the other ranks
+are data parallel (plain DDP: the distributed optimizer refuses CPU parameters). With
+``CHECK_HANDOFF=DIR`` the run also leaves a checkpoint and the step it took after it in DIR;
+with ``CHECK_RESUME_FROM=DIR`` a run (of another layout) loads that checkpoint at the end and
+checks that it restores the weights and takes the same step. Prints ``RESULT ok`` (and
+``RESULT resumed <layout>``) on success."""
 
 import math
 import os
@@ -34,6 +38,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     tp = int(os.environ.get("CHECK_TP", "1"))
+    pp = int(os.environ.get("CHECK_PP", "1"))
+    handoff = os.environ.get("CHECK_HANDOFF")  # write: a checkpoint and the step taken after it
+    resume_from = os.environ.get("CHECK_RESUME_FROM")  # read: one written by a run of another layout
     holder = [tempfile.mkdtemp(prefix="ferryman-mrt-") if rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)
     root = holder[0]
@@ -41,7 +48,7 @@ def main() -> None:
         build_tiny_model(os.path.join(root, "tiny"), vocab_size=160)
     dist.barrier()
     path = os.path.join(root, "tiny")
-    cfg = MegatronTrainerConfig(param_dtype="float32", tensor_parallel_size=tp, make_vocab_size_divisible_by=64, lr=1e-3,
+    cfg = MegatronTrainerConfig(param_dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, make_vocab_size_divisible_by=64, lr=1e-3,
                                 micro_batch_max_tokens=24, use_distributed_optimizer=False)
     alg = AlgorithmConfig(kl_coef=0.05)
     backend = MegatronTrainerBackend(cfg, model_path=path, algorithm=alg, seed=0,
@@ -76,6 +83,10 @@ def main() -> None:
     w2 = collect_weights(backend)
     m3 = backend.update_actor(full)
     w3 = collect_weights(backend)
+    if handoff and rank == 0:
+        shutil.copytree(ckpt2, os.path.join(handoff, "ckpt2"))
+        layout = f"tp{tp}-pp{pp}-dp{dist.get_world_size() // (tp * pp)}"
+        torch.save({"full": full, "w2": w2, "w3": w3, "m3": m3, "layout": layout}, os.path.join(handoff, "state.pt"))
     backend.load_checkpoint(ckpt2)
     assert all(torch.equal(collect_weights(backend)[k], w2[k]) for k in w2), "load did not restore"
     m3b = backend.update_actor(full)
@@ -87,6 +98,21 @@ def main() -> None:
     assert math.isclose(m3b["actor/grad_norm"], m3["actor/grad_norm"], rel_tol=1e-5), (m3, m3b)
     backend.load_checkpoint(ckpt)
     assert all(torch.equal(collect_weights(backend)[k], w0[k]) for k in w0)
+    if resume_from:
+        # a checkpoint written by a run of another layout (other DP / TP / PP sizes): the
+        # weights it saved come back, and the next step is the step that run took
+        saved = torch.load(os.path.join(resume_from, "state.pt"), weights_only=False)
+        backend.load_checkpoint(os.path.join(resume_from, "ckpt2"))
+        got = collect_weights(backend)
+        assert all(torch.equal(got[k], saved["w2"][k]) for k in saved["w2"]), "load on another layout did not restore"
+        m4 = backend.update_actor(saved["full"])
+        w4 = collect_weights(backend)
+        for k in w4:
+            torch.testing.assert_close(w4[k], saved["w3"][k], atol=1e-6, rtol=1e-5)
+        assert math.isclose(m4["actor/pg_loss"], saved["m3"]["actor/pg_loss"], rel_tol=1e-5, abs_tol=1e-6), (m4, saved["m3"])
+        assert math.isclose(m4["actor/grad_norm"], saved["m3"]["actor/grad_norm"], rel_tol=1e-5), (m4, saved["m3"])
+        if rank == 0:
+            print("RESULT resumed", saved["layout"], m4["actor/pg_loss"], m4["actor/grad_norm"], flush=True)
     backend.close()
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)

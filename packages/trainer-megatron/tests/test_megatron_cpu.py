@@ -6,9 +6,10 @@ megatron_cpu_patches.py patches Megatron's CUDA-only calls process-wide:
   vocab-parallel log-probs equal HF's for every family (megatron_cpu_check.py);
 - the generic TrainerContract (with a critic and GAE) on the real ``MegatronRuntime``, one rank
   (megatron_cpu_contract.py);
-- the runtime on two ranks, tensor parallel 2 and data parallel 2: log-probs equal HF's, the
-  exported weights are HF's, an update changes them, and a ``dist_checkpointing`` round trip
-  restores weights and optimizer (megatron_cpu_runtime.py).
+- the runtime on two ranks at tensor parallel 2, pipeline parallel 2 and data parallel 2:
+  log-probs equal HF's, the exported weights are HF's, an update changes them, a
+  ``dist_checkpointing`` round trip restores weights and optimizer, and a checkpoint of the
+  previous layout loads and takes the same next step (megatron_cpu_runtime.py).
 
 Tolerance: both models compute in float32 with a different order of operations (fused QKV,
 Megatron's RMSNorm and rotary code); over 2 layers of width 32 with logits of magnitude ~5 the
@@ -62,8 +63,18 @@ def test_trainer_contract_on_the_real_runtime(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
-def test_runtime_on_two_ranks_logprobs_update_checkpoint(tp):
-    proc = _torchrun("megatron_cpu_runtime.py", 2, CHECK_TP=str(tp))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "RESULT ok" in proc.stdout, proc.stdout[-2000:]
+def test_runtime_on_two_ranks_tp_pp_dp_and_resume_on_another_layout(tmp_path):
+    # TP 2, then PP 2, then DP 2 on two ranks; each also loads the previous layout's checkpoint
+    # and must take the same next step (dist_checkpointing reshards between layouts)
+    layouts = [{"CHECK_TP": "2"}, {"CHECK_PP": "2"}, {}]
+    for i, layout in enumerate(layouts):
+        env = {**layout, "CHECK_HANDOFF": str(tmp_path / f"h{i}")}
+        (tmp_path / f"h{i}").mkdir()
+        if i:
+            env["CHECK_RESUME_FROM"] = str(tmp_path / f"h{i - 1}")
+        proc = _torchrun("megatron_cpu_runtime.py", 2, **env)
+        assert proc.returncode == 0, (layout, proc.stdout[-3000:] + proc.stderr[-3000:])
+        assert "RESULT ok" in proc.stdout, proc.stdout[-2000:]
+        if i:
+            prev = ["tp2-pp1-dp1", "tp1-pp2-dp1"][i - 1]
+            assert f"RESULT resumed {prev}" in proc.stdout, proc.stdout[-2000:]
