@@ -115,3 +115,20 @@ def test_mini_batches_keep_groups_together():
     assert split_groups(groups, 1) == [list(range(8))]
     # groups keep their order of first appearance, interleaved rows included
     assert split_groups(torch.tensor([5, 3, 5, 3]), 2) == [[0, 2], [1, 3]]
+
+
+def test_select_takes_the_rows_and_tokens_of_per_row_meta():
+    from ferryman.testing.trainer_contract import random_train_batch
+
+    batch = random_train_batch(50, seed=0)
+    b, t = batch.input_ids.shape
+    routed = torch.arange(b * t * 2 * 3).view(b, t, 2, 3)
+    batch.meta.update(routed_experts=routed, temperature=0.7)
+    rows = [b - 1, 0]
+    sub = batch.select(rows)
+    width = sub.seq_len
+    assert width == int(batch.attention_mask[rows].sum(-1).max())
+    assert torch.equal(sub.meta["routed_experts"], routed[rows][:, :width])
+    assert sub.meta["temperature"] == 0.7 and batch.meta["routed_experts"] is routed
+    for idx, mb in batch.micro_batches(max_tokens=2 * t):
+        assert mb.meta["routed_experts"].shape[:2] == mb.input_ids.shape

@@ -8,8 +8,11 @@ its CUDA-only calls *in the calling process* (a test runs it in its own subproce
 - grad clipping (it asserts ``torch.cuda.FloatTensor`` and scales with a CUDA kernel) is the
   same arithmetic on CPU tensors;
 - ``torch.cuda.current_stream`` / ``synchronize`` / ``empty_cache`` are no-ops (the grad sync
-  waits on CUDA-graph events that do not exist here), ``Tensor.cuda()`` returns the tensor
+  waits on CUDA-graph events that do not exist here), streams and events are stand-ins whose
+  waits do nothing (the MoE all-to-all dispatcher's side stream), ``Tensor.cuda()`` returns the tensor
   (a tied embedding's last-stage copy under pipeline parallelism);
+- the MoE all-to-all dispatcher's host copy of its split sizes gives numpy arrays on the CPU
+  too (as it does from CUDA);
 - the model-parallel RNG tracker's ``fork`` is a no-op (dropout is 0).
 
 The distributed optimizer is not covered: it refuses CPU parameters outright."""
@@ -61,12 +64,51 @@ def _clip_on_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
                 g.detach().mul_(coeff)
 
 
-class _NoStream:
-    def wait_event(self, *a, **k):
+class _NoEvent:
+    def __init__(self, *a, **k) -> None:
         pass
 
-    def wait_stream(self, *a, **k):
+    def record(self, *a, **k) -> None:
         pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *a, **k) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _NoStream:
+    """Stands in for a CUDA stream: CPU work is already ordered, so every wait is a no-op."""
+
+    def __init__(self, *a, **k) -> None:
+        pass
+
+    def wait_event(self, *a, **k) -> None:
+        pass
+
+    def wait_stream(self, *a, **k) -> None:
+        pass
+
+    def record_event(self, *a, **k) -> _NoEvent:
+        return _NoEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _to_host(tensor, as_numpy=False, record_stream=False):
+    """Megatron's helper moves only CUDA tensors (and turns them into numpy arrays, which the
+    all-to-all takes as split sizes); a CPU tensor came back as a tensor, which it refuses."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
 
 
 def apply() -> None:
@@ -76,7 +118,12 @@ def apply() -> None:
     _APPLIED = True
     torch.set_num_threads(1)
     torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    current = _NoStream()
+    torch.cuda.current_stream = lambda *a, **k: current
+    # the MoE all-to-all dispatcher copies its splits to the host on a side stream
+    torch.cuda.Stream = _NoStream  # classes: annotations such as `torch.cuda.Stream | None` work
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.Event = _NoEvent
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.empty_cache = lambda *a, **k: None
     # a tied embedding's last-stage copy is moved with .cuda() before its first all-reduce
@@ -94,3 +141,6 @@ def apply() -> None:
     for name in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving"):
         setattr(sched, name, _inside_cpu_tensors(getattr(sched, name), ("zeros",)))
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    import megatron.core.transformer.moe.token_dispatcher as dispatcher
+
+    dispatcher.maybe_move_tensor_to_cpu = _to_host

@@ -78,3 +78,13 @@ def test_runtime_on_two_ranks_tp_pp_dp_and_resume_on_another_layout(tmp_path):
         if i:
             prev = ["tp2-pp1-dp1", "tp1-pp2-dp1"][i - 1]
             assert f"RESULT resumed {prev}" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_moe_expert_parallel_with_router_replay():
+    proc = _torchrun("megatron_cpu_moe.py", 2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ok")), None)
+    assert line is not None, proc.stdout[-2000:]
+    replayed_diff, moved = float(line.split()[2]), float(line.split()[3])
+    assert replayed_diff < 1e-4 and moved > 1e-2, line

@@ -32,6 +32,10 @@ _PER_ROW = (
     "run_index",
     "run_tokens",
 )
+PER_ROW_META = ("routed_experts",)
+"""``meta`` entries that hold one value per row and token (``[B, T, ...]``): :meth:`TrainBatch.select`
+takes their rows and trims their tokens like the per-token fields (``routed_experts``: the
+experts a MoE engine chose, ``[B, T, moe layers, top-k]``, replayed by a trainer)."""
 
 
 @dataclass
@@ -68,6 +72,8 @@ class TrainBatch:
     """[B] float, masked (trained) tokens of the row's whole run, summed over its segments; for
     the seq-mean loss modes (``algorithms.agg_loss``). ``None``: each row's own count."""
     meta: dict[str, Any] = field(default_factory=dict)
+    """Batch-wide settings (``num_mini_batches``, ``temperature``) and the per-row entries named
+    in :data:`PER_ROW_META`."""
 
     @property
     def batch_size(self) -> int:
@@ -96,6 +102,11 @@ class TrainBatch:
             t = getattr(out, f.name)
             if isinstance(t, torch.Tensor) and t.dim() == 2:
                 trim[f.name] = t[:, :width]
+        meta = dict(self.meta)
+        for key in PER_ROW_META:
+            if meta.get(key) is not None:
+                meta[key] = torch.as_tensor(meta[key]).index_select(0, idx)[:, :width]
+        trim["meta"] = meta
         return replace(out, **trim)
 
     def micro_batches(self, max_tokens: int | None = None, max_rows: int | None = None):
