@@ -25,11 +25,8 @@ PACKAGES = {
     # its CPU tests run over a named fake core: vLLM (the package's `vllm` extra) is not installed
     "engine_vllm": "packages/engine-vllm",
     "engine_sglang": "packages/engine-sglang",
-    # with megatron-core (the `megatron` extra): its CPU tests run the real Megatron-core on gloo
-    # ranks with its CUDA-only calls patched (tests/megatron_cpu_patches.py)
-    "trainer_megatron": "packages/trainer-megatron",
 }
-EXTRAS = {"proxy": "[test]", "trainer_megatron": "[megatron]"}
+EXTRAS = {"proxy": "[test]"}
 """Extras a package's own tests need (installed with it in its session and in integration)."""
 
 
@@ -71,6 +68,16 @@ def env_harbor(session: nox.Session) -> None:
     )
     session.run("ferryman", "plugins")
     session.run("pytest", "packages/env-harbor/tests", "-q", *session.posargs)
+
+
+@nox.session(name="trainer_megatron", python=PY)
+def trainer_megatron(session: nox.Session) -> None:
+    """packages/trainer-megatron with megatron-core (its `megatron` extra): the CPU tests run the
+    real Megatron-core on gloo ranks with its CUDA-only calls patched
+    (tests/megatron_cpu_patches.py), and compare it with trainer-fsdp at the same weights."""
+    session.install("./packages/core[tiny,testing]", "./packages/trainer-fsdp", "./packages/trainer-megatron[megatron]", *TEST_DEPS)
+    session.run("ferryman", "plugins")
+    session.run("pytest", "packages/trainer-megatron/tests", "-q", *session.posargs)
 
 
 @nox.session(python=PY)

@@ -88,3 +88,11 @@ def test_moe_expert_parallel_with_router_replay():
     assert line is not None, proc.stdout[-2000:]
     replayed_diff, moved = float(line.split()[2]), float(line.split()[3])
     assert replayed_diff < 1e-4 and moved > 1e-2, line
+
+
+@pytest.mark.slow
+def test_same_log_probs_and_ppo_step_as_the_fsdp_backend():
+    pytest.importorskip("ferryman_trainer_fsdp", reason="compares with trainer-fsdp")
+    proc = _torchrun("megatron_cpu_parity.py", 2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert any(x.startswith("RESULT ") for x in proc.stdout.splitlines()), proc.stdout[-2000:]
