@@ -1,15 +1,20 @@
-"""Actor update throughput and MFU of the ``fsdp`` trainer backend.
+"""Actor update throughput and MFU of the ``fsdp`` and ``megatron`` trainer backends.
 
-Runs ``FSDPTrainerBackend.update_actor`` (the real code path: FSDP2, bf16 compute with fp32
+Runs the backend's ``update_actor`` (the real code path; fsdp: FSDP2, bf16 compute with fp32
 master weights and reduction, activation checkpointing, token-budget micro-batches, gradient
-accumulation, clipping, AdamW) on a randomly initialised Qwen2-architecture model of a chosen
-shape, and prints tokens/s and MFU.
+accumulation, clipping, AdamW; megatron: Megatron-core GPTModel, its distributed optimizer,
+full recomputation unless ``--no-checkpointing``) on a randomly initialised
+Qwen2-architecture model of a chosen shape, and prints tokens/s and MFU. ``--trainer both``
+runs fsdp, frees it, then megatron on the same model and batches in the same run, and prints
+the megatron / fsdp ratios.
 
     # one GPU
     torchrun --nproc-per-node 1 bench/train_step.py --shape 1.5b --seq-len 8192
+    # megatron beside fsdp, one GPU
+    torchrun --nproc-per-node 1 bench/train_step.py --shape 7b --seq-len 8192 --trainer both
     # two GPUs (FSDP over both)
     torchrun --nproc-per-node 2 bench/train_step.py --shape 7b --seq-len 8192
-    # CPU smoke run (gloo), tiny shape
+    # CPU smoke run (gloo), tiny shape (fsdp only: Megatron needs CUDA)
     torchrun --nproc-per-node 2 bench/train_step.py --shape tiny --seq-len 256 --device cpu
 
 MFU counts model FLOPs only (activation recomputation is not credited): per trained token
@@ -119,7 +124,11 @@ def main() -> int:
     ap.add_argument("--model-dir", default=None, help="reuse a model saved by an earlier run")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--json", default=None, help="append the result as one JSON line to this file")
+    ap.add_argument("--trainer", choices=("fsdp", "megatron", "both"), default="fsdp",
+                    help="which backend to measure; both: fsdp, then megatron, in this run")
     args = ap.parse_args()
+    if args.trainer != "fsdp" and not args.device.startswith("cuda"):
+        ap.error(f"--trainer {args.trainer} needs --device cuda (Megatron-core has no CPU path)")
 
     from ferryman.config import AlgorithmConfig
     from ferryman_trainer_fsdp.trainer import FSDPTrainerBackend, FSDPTrainerConfig
@@ -138,23 +147,6 @@ def main() -> int:
         _log(rank, f"built random {args.shape} model in {time.perf_counter() - t0:.1f} s -> {model_dir}")
     dist.barrier()
 
-    cfg = FSDPTrainerConfig(
-        lr=1e-6,
-        device=args.device,
-        backend="nccl" if cuda else "gloo",
-        param_dtype="bfloat16" if cuda else "float32",
-        reduce_dtype="float32",
-        activation_checkpointing=not args.no_checkpointing,
-        checkpoint_layers=None if args.no_checkpointing else args.checkpoint_layers,
-        offload_optimizer=args.offload_optimizer,
-        micro_batch_max_tokens=args.seq_len,
-        grad_clip=1.0,
-    )
-    t0 = time.perf_counter()
-    backend = FSDPTrainerBackend(cfg, model_path=str(model_dir), algorithm=AlgorithmConfig(), seed=0)
-    load_s = time.perf_counter() - t0
-    _log(rank, f"loaded and sharded over {world} rank(s) in {load_s:.1f} s")
-
     flops_per_token, n_params = model_flops_per_token(model_dir, args.seq_len)
     vocab = SHAPES[args.shape]["vocab_size"]
     rows = args.rows_per_rank * world
@@ -165,44 +157,93 @@ def main() -> int:
             torch.cuda.synchronize()
         dist.barrier()
 
-    times = []
-    for step in range(args.steps + 1):
-        batch = make_batch(rows, args.seq_len, vocab, prompt_len, seed=step)
-        sync()
-        t = time.perf_counter()
-        metrics = backend.update_actor(batch)
-        sync()
-        dt = time.perf_counter() - t
-        _log(rank, f"step {step}{' (warm-up)' if step == 0 else ''}: {dt:.2f} s, grad_norm {metrics.get('actor/grad_norm', float('nan')):.3f}")
-        if step > 0:
-            times.append(dt)
-    mean = sum(times) / len(times)
-    tokens = rows * args.seq_len  # every position is computed forward and backward
-    tok_s = tokens / mean
-    mfu = tok_s * flops_per_token / (args.peak_tflops * 1e12 * world) if cuda else float("nan")
-    peak_mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    result = {
-        "shape": args.shape,
-        "params": n_params,
-        "world": world,
-        "seq_len": args.seq_len,
-        "rows_per_step": rows,
-        "activation_checkpointing": not args.no_checkpointing,
-        "checkpoint_layers": "none" if args.no_checkpointing else (
-            "all" if args.checkpoint_layers is None else args.checkpoint_layers),
-        "offload_optimizer": args.offload_optimizer,
-        "step_s": round(mean, 4),
-        "tokens_per_s": round(tok_s, 1),
-        "tokens_per_s_per_gpu": round(tok_s / world, 1),
-        "mfu": round(mfu, 4),
-        "peak_mem_gib_rank0": round(peak_mem, 2),
-        "load_s": round(load_s, 1),
-    }
-    _log(rank, "RESULT " + json.dumps(result))
-    if rank == 0 and args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(result) + "\n")
-    backend.close()
+    def build(trainer: str):
+        if trainer == "fsdp":
+            cfg = FSDPTrainerConfig(
+                lr=1e-6,
+                device=args.device,
+                backend="nccl" if cuda else "gloo",
+                param_dtype="bfloat16" if cuda else "float32",
+                reduce_dtype="float32",
+                activation_checkpointing=not args.no_checkpointing,
+                checkpoint_layers=None if args.no_checkpointing else args.checkpoint_layers,
+                offload_optimizer=args.offload_optimizer,
+                micro_batch_max_tokens=args.seq_len,
+                grad_clip=1.0,
+            )
+            return FSDPTrainerBackend(cfg, model_path=str(model_dir), algorithm=AlgorithmConfig(), seed=0)
+        from ferryman_trainer_megatron.config import MegatronTrainerConfig
+        from ferryman_trainer_megatron.factory import make_megatron_trainer
+
+        cfg = MegatronTrainerConfig(
+            lr=1e-6,
+            param_dtype="bfloat16",
+            recompute="none" if args.no_checkpointing else "full",
+            recompute_num_layers=None if args.no_checkpointing else args.checkpoint_layers,
+            micro_batch_max_tokens=args.seq_len,
+            grad_clip=1.0,
+            use_distributed_optimizer=True,
+        )
+        return make_megatron_trainer(cfg, model_path=str(model_dir), algorithm=AlgorithmConfig(), seed=0)
+
+    def measure(trainer: str) -> dict:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        backend = build(trainer)
+        load_s = time.perf_counter() - t0
+        _log(rank, f"[{trainer}] loaded over {world} rank(s) in {load_s:.1f} s")
+        times = []
+        for step in range(args.steps + 1):
+            batch = make_batch(rows, args.seq_len, vocab, prompt_len, seed=step)
+            sync()
+            t = time.perf_counter()
+            metrics = backend.update_actor(batch)
+            sync()
+            dt = time.perf_counter() - t
+            _log(rank, f"[{trainer}] step {step}{' (warm-up)' if step == 0 else ''}: {dt:.2f} s, "
+                       f"grad_norm {metrics.get('actor/grad_norm', float('nan')):.3f}")
+            if step > 0:
+                times.append(dt)
+        mean = sum(times) / len(times)
+        tokens = rows * args.seq_len  # every position is computed forward and backward
+        tok_s = tokens / mean
+        mfu = tok_s * flops_per_token / (args.peak_tflops * 1e12 * world) if cuda else float("nan")
+        peak_mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+        backend.close()
+        del backend
+        if cuda:
+            torch.cuda.empty_cache()
+        return {
+            "trainer": trainer,
+            "shape": args.shape,
+            "params": n_params,
+            "world": world,
+            "seq_len": args.seq_len,
+            "rows_per_step": rows,
+            "activation_checkpointing": not args.no_checkpointing,
+            "checkpoint_layers": "none" if args.no_checkpointing else (
+                "all" if args.checkpoint_layers is None else args.checkpoint_layers),
+            "offload_optimizer": args.offload_optimizer if trainer == "fsdp" else False,
+            "step_s": round(mean, 4),
+            "tokens_per_s": round(tok_s, 1),
+            "tokens_per_s_per_gpu": round(tok_s / world, 1),
+            "mfu": round(mfu, 4),
+            "peak_mem_gib_rank0": round(peak_mem, 2),
+            "load_s": round(load_s, 1),
+        }
+
+    trainers = ["fsdp", "megatron"] if args.trainer == "both" else [args.trainer]
+    results = [measure(t) for t in trainers]
+    for result in results:
+        _log(rank, "RESULT " + json.dumps(result))
+        if rank == 0 and args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(result) + "\n")
+    if len(results) == 2:
+        fs, mg = results
+        _log(rank, f"RATIO megatron/fsdp tokens/s {mg['tokens_per_s'] / fs['tokens_per_s']:.3f}, "
+                   f"peak memory {mg['peak_mem_gib_rank0'] / fs['peak_mem_gib_rank0']:.3f}")
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
