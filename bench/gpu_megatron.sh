@@ -1,0 +1,29 @@
+#!/bin/bash
+# Megatron on one H200 (issue "GPU runs on one H200", run 6): the trainer-megatron GPU tests
+# (TrainerContract on the real runtime; log-probs and a PPO step beside trainer-fsdp at the
+# Qwen2.5-1.5B shape in bf16), then bench/train_step.py --trainer both (fsdp, then megatron, on
+# the same model and batches; megatron/fsdp ratios) at 1.5B and 7B with 8k-token rows. One
+# command, from the repository root:
+#
+#   OUT=/some/dir WHEEL_DIR=/root/w bench/gpu_megatron.sh
+#
+# WHEEL_DIR must hold the set with megatron-core (`tools/gpu_wheels.py download --extra vllm
+# --extra megatron`). The pipeline with the Megatron trainer (run 2) is bench/gpu_e2e.sh:
+#   RUN_NAME=one_gpu_megatron bench/gpu_e2e.sh trainer.type=megatron
+# $OUT gets: megatron_tests.txt, train_step.jsonl, train_step.txt.
+set -u
+source "$(dirname "$0")/gpu_common.sh"
+cd "$ROOT" || exit 1
+python3 -c "import megatron.core" 2>/dev/null || { echo "megatron-core is not installed (carry it: --extra megatron)"; exit 4; }
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+timeout "${T_TESTS:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -s packages/trainer-megatron/tests/test_gpu.py \
+  > "$OUT/megatron_tests.txt" 2>&1
+echo "megatron GPU tests exited with $?"; grep -E "PARITY|passed|failed|Error" "$OUT/megatron_tests.txt" | tail -8
+for spec in "1.5b 150" "7b ${T_7B:-300}"; do
+  set -- $spec
+  echo "=== train_step --trainer both --shape $1" | tee -a "$OUT/train_step.txt"
+  timeout "$2" torchrun --standalone --nproc-per-node 1 bench/train_step.py --shape "$1" --seq-len 8192 --steps 2 \
+    --trainer both --json "$OUT/train_step.jsonl" >> "$OUT/train_step.txt" 2>&1
+  echo "exit $?" >> "$OUT/train_step.txt"
+done
+grep -E "^\[|RESULT|RATIO|OutOfMemory|Error:|exit" "$OUT/train_step.txt" | grep -v Warning | tail -20
