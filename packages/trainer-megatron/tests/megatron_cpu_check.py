@@ -38,6 +38,7 @@ from transformers import (  # noqa: E402
     Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
 )
 
+import megatron_cpu_patches  # noqa: E402  (shared_tempdir only: this script patches its own three calls)
 from ferryman_trainer_megatron.config import MegatronTrainerConfig  # noqa: E402
 from ferryman_trainer_megatron.convert import hf_to_megatron, layout, megatron_to_hf, to_global_name, tp_merge, tp_split  # noqa: E402
 from ferryman_trainer_megatron.mapping import gpt_model_kwargs, model_shape, padded_vocab_size, transformer_config_kwargs  # noqa: E402
@@ -73,13 +74,9 @@ for family, hf in models.items():
     assert names == set(entries), (family, sorted(names ^ set(entries)))
     padded = padded_vocab_size(shape.vocab_size, 64, world)
     # the checkpoint's own names (transformers 5 fuses MoE experts in memory, not on disk)
-    import tempfile
-
     from safetensors.torch import load_file
 
-    holder = [tempfile.mkdtemp(prefix="ferryman-mcore-check-") if rank == 0 else None]
-    dist.broadcast_object_list(holder, src=0)
-    ckpt = holder[0]
+    ckpt = megatron_cpu_patches.shared_tempdir("ferryman-mcore-check-")
     if rank == 0:  # transformers writes on the main process only
         hf.save_pretrained(ckpt)
     dist.barrier()

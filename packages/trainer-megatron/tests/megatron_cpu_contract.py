@@ -20,14 +20,15 @@ from ferryman.testing.trainer_contract import TrainerContract, fill_train_batch,
 from ferryman.tiny import build_tiny_model  # noqa: E402
 from ferryman_trainer_megatron.config import MegatronTrainerConfig  # noqa: E402
 from ferryman_trainer_megatron.megatron_runtime import MegatronRuntime  # noqa: E402
+from ferryman_trainer_megatron.testing import ACTOR_METRICS, CRITIC_METRICS  # noqa: E402
 from ferryman_trainer_megatron.trainer import MegatronTrainerBackend  # noqa: E402
 
 VOCAB = 160
 
 
 class TestMegatronCPUContract(TrainerContract):
-    ACTOR_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl", "actor/lr")
-    CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm")
+    ACTOR_METRICS = ACTOR_METRICS
+    CRITIC_METRICS = CRITIC_METRICS
 
     @pytest.fixture(scope="class")
     @classmethod

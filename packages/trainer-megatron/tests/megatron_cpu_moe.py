@@ -8,7 +8,6 @@ them; an update changes the weights. Prints ``RESULT ok`` on success."""
 import os
 import shutil
 import sys
-import tempfile
 
 import torch
 
@@ -39,9 +38,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     vocab, top_k = 160, 2
-    holder = [tempfile.mkdtemp(prefix="ferryman-moe-") if rank == 0 else None]
-    dist.broadcast_object_list(holder, src=0)
-    path = holder[0]
+    path = megatron_cpu_patches.shared_tempdir("ferryman-moe-")
     torch.manual_seed(0)
     hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(
         vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

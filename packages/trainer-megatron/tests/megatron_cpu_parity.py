@@ -14,7 +14,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 
 
 def main() -> None:
@@ -33,9 +32,7 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    holder = [tempfile.mkdtemp(prefix="ferryman-parity-") if rank == 0 else None]
-    dist.broadcast_object_list(holder, src=0)
-    root = holder[0]
+    root = megatron_cpu_patches.shared_tempdir("ferryman-parity-")
     path = os.path.join(root, "tiny")
     if rank == 0:
         build_tiny_model(path, vocab_size=160)

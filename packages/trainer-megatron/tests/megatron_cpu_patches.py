@@ -15,13 +15,24 @@ its CUDA-only calls *in the calling process* (a test runs it in its own subproce
   too (as it does from CUDA);
 - the model-parallel RNG tracker's ``fork`` is a no-op (dropout is 0).
 
-The distributed optimizer is not covered: it refuses CPU parameters outright."""
+The distributed optimizer is not covered: it refuses CPU parameters outright. Also here, for the
+scripts on several ranks: ``shared_tempdir``."""
 
 import contextlib
+import tempfile
 
 import torch
 
 _APPLIED = False
+
+
+def shared_tempdir(prefix: str) -> str:
+    """A temporary folder made by rank 0; every rank of the default group gets its path."""
+    import torch.distributed as dist
+
+    holder = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 def _cpu(fn):

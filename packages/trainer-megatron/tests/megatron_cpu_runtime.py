@@ -14,7 +14,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 
 import torch
 
@@ -41,9 +40,7 @@ def main() -> None:
     pp = int(os.environ.get("CHECK_PP", "1"))
     handoff = os.environ.get("CHECK_HANDOFF")  # write: a checkpoint and the step taken after it
     resume_from = os.environ.get("CHECK_RESUME_FROM")  # read: one written by a run of another layout
-    holder = [tempfile.mkdtemp(prefix="ferryman-mrt-") if rank == 0 else None]
-    dist.broadcast_object_list(holder, src=0)
-    root = holder[0]
+    root = megatron_cpu_patches.shared_tempdir("ferryman-mrt-")
     if rank == 0:
         build_tiny_model(os.path.join(root, "tiny"), vocab_size=160)
     dist.barrier()

@@ -12,7 +12,7 @@ from ferryman.config import AlgorithmConfig
 from ferryman.testing.trainer_contract import TrainerContract, fill_train_batch, random_train_batch
 from ferryman.tiny import build_tiny_model
 from ferryman_trainer_megatron.config import MegatronTrainerConfig
-from ferryman_trainer_megatron.testing import FakeMegatronRuntime
+from ferryman_trainer_megatron.testing import ACTOR_METRICS, CRITIC_METRICS, FakeMegatronRuntime
 from ferryman_trainer_megatron.trainer import MegatronTrainerBackend
 
 torch.set_num_threads(1)
@@ -26,8 +26,8 @@ def make(model_dir, algorithm, **cfg):
 
 
 class TestFakeMegatronContract(TrainerContract):
-    ACTOR_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl", "actor/lr")
-    CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm")
+    ACTOR_METRICS = ACTOR_METRICS
+    CRITIC_METRICS = CRITIC_METRICS
 
     @pytest.fixture(scope="class")
     @classmethod

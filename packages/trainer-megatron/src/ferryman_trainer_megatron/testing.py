@@ -25,7 +25,12 @@ from ferryman_trainer_megatron.config import MegatronTrainerConfig
 from ferryman_trainer_megatron.mapping import padded_vocab_size
 from ferryman_trainer_megatron.trainer import Head, LogitsShard
 
-__all__ = ["FakeMegatronRuntime"]
+__all__ = ["ACTOR_METRICS", "CRITIC_METRICS", "FakeMegatronRuntime"]
+
+ACTOR_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl", "actor/lr")
+"""What the backend's ``update_actor`` returns, whatever the runtime (for ``TrainerContract.ACTOR_METRICS``)."""
+CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm")
+"""What its ``update_critic`` returns (for ``TrainerContract.CRITIC_METRICS``)."""
 
 
 class _Handle:
