@@ -77,3 +77,101 @@ def test_log_probs_and_ppo_step_match_fsdp_at_qwen2_5_1_5b_shape(tmp_path):
     finally:
         fsdp.close()
         meg.close()
+
+
+def test_exported_weights_loaded_into_vllm_give_the_trainers_greedy_tokens(tmp_path):
+    """The sync's contract end to end on one GPU: the Megatron trainer takes PPO steps (so its
+    weights are no longer those on disk), its ``iter_weight_buckets`` are loaded into a real
+    vLLM engine bucket by bucket, and vLLM then decodes greedily what the trainer's weights
+    decode (transformers with the exported state dict, which the CPU tests hold equal to the
+    Megatron forward) and reports log-probs the trainer's own forward gives for those tokens.
+    float32 throughout; vLLM's kernels differ from the trainer's, hence REF_ATOL as in
+    engine-vllm's GPU tests. The trainer is closed before vLLM starts (one process, one
+    torch.distributed world at a time), so the trainer's log-probs are taken on the
+    transformers-greedy sequences, which must then be vLLM's own."""
+    import asyncio
+
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    import transformers
+    from ferryman.batch import build_train_batch
+    from ferryman.types import Sample, SamplingParams, Trajectory
+    from ferryman_engine_vllm.config import VLLMEngineConfig
+    from ferryman_engine_vllm.engine import make_vllm_engine
+    from ferryman_trainer_megatron.config import MegatronTrainerConfig
+    from ferryman_trainer_megatron.factory import make_megatron_trainer
+
+    ref_atol, n_new = 2e-2, 16
+    path = str(build_tiny_model(tmp_path / "m", hidden_size=128, num_heads=2, num_kv_heads=1, num_layers=2, init_std=0.2))
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False))
+               for text in ("Repeat the digit 7.", "What is 3 plus 4?", "Write the digit 2. Now the digit 5.")]
+    vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
+
+    def hf_greedy(model, prompt):
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(n_new):
+                t = int(torch.argmax(model(input_ids=torch.tensor([seq], device="cuda")).logits[0, -1]))
+                seq.append(t)
+                if t == tok.eos_token_id:
+                    break
+        return seq[len(prompt):]
+
+    disk = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    before = [hf_greedy(disk, p) for p in prompts]
+    meg = make_megatron_trainer(MegatronTrainerConfig(lr=1e-2, micro_batch_max_tokens=4096, param_dtype="float32"),
+                                model_path=path, algorithm=AlgorithmConfig(kl_coef=0.0), seed=0)
+    try:
+        for seed in range(2):
+            meg.update_actor(fill_train_batch(meg, random_train_batch(vocab, seed=seed)))
+        buckets = [[(n, t.clone()) for n, t in b] for b in meg.iter_weight_buckets(64 * 1024)]
+        exported = dict(kv for b in buckets for kv in b)
+        moved = max(float((exported[k].float() - v.float().cpu()).abs().max()) for k, v in disk.state_dict().items() if k in exported)
+        assert len(buckets) > 1 and moved > 1e-3, (len(buckets), moved)
+        trained = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        missing, unexpected = trained.load_state_dict(exported, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        trained = trained.cuda().eval()
+        expect = [hf_greedy(trained, p) for p in prompts]
+        assert expect != before, "two PPO steps at lr 1e-2 left every greedy continuation as it was"
+        samples = [Sample(uid=f"s{i}", task_index=i, trajectories=[Trajectory(
+            request_id=f"r{i}", prompt_ids=list(p), response_ids=list(e), response_mask=[1] * len(e),
+            rollout_log_probs=[0.0] * len(e), token_versions=[1] * len(e), reward=0.0)])
+            for i, (p, e) in enumerate(zip(prompts, expect))]
+        lp = meg.compute_log_probs(build_train_batch(samples, pad_token_id=tok.pad_token_id or 0)).double().cpu()
+        trainer_lps = [lp[i, len(p):len(p) + len(e)].tolist() for i, (p, e) in enumerate(zip(prompts, expect))]
+    finally:
+        meg.close()
+    del trained, disk
+    torch.cuda.empty_cache()
+
+    async def in_vllm():
+        engine = make_vllm_engine(VLLMEngineConfig(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2,
+                                                   kv_cache_memory_bytes=512 * 2**20, max_num_seqs=16),
+                                  model_path=path, replica="export-check", seed=0)
+        await engine.start()
+        try:
+            greedy = SamplingParams(max_tokens=n_new, temperature=0.0)
+            outs0 = [await engine.generate(f"b{i}", p, greedy) for i, p in enumerate(prompts)]
+            await engine.pause(abort=True)
+            await engine.release_kv_cache()
+            for b in buckets:
+                await engine.load_weights(b)
+            await engine.set_version(1)
+            await engine.resume_kv_cache()
+            await engine.resume()
+            return outs0, [await engine.generate(f"a{i}", p, greedy) for i, p in enumerate(prompts)]
+        finally:
+            await engine.shutdown()
+
+    outs0, outs = asyncio.run(in_vllm())
+    assert [o.token_ids for o in outs0] == before, "vLLM at the disk weights is not transformers' greedy"
+    for out, e, t_lp in zip(outs, expect, trainer_lps):
+        print(f"EXPORT vllm {out.token_ids} trainer {e}; max lp diff "
+              f"{max(abs(a - b) for a, b in zip(out.log_probs, t_lp)):.2e}")
+        assert out.token_ids == e and out.versions == [1] * len(e)
+        assert max(abs(a - b) for a, b in zip(out.log_probs, t_lp)) <= ref_atol
