@@ -12,7 +12,9 @@ ferryman_trainer_megatron.convert into this rank's tensor-parallel shard of a GP
 both, and checks (1) the gathered Megatron logits against HF's, (2) the vocab-parallel
 log-probs over Megatron's own logits shard against a full log-softmax of HF's logits, and
 (3) the TP gather + re-split of ``iter_hf_weights``' math (tp_merge/megatron_to_hf) reproduces
-the HF tensors exactly. Prints one ``RESULT family max_logit_diff max_lp_diff`` line per family.
+the HF tensors exactly; (4) the same shard with the SDPA core attention (the trainer's default for
+the local spec) gives HF's logits too. Prints one ``RESULT family max_logit_diff max_lp_diff
+max_sdpa_logit_diff`` line per family.
 """
 
 import contextlib
@@ -42,7 +44,7 @@ import megatron_cpu_patches  # noqa: E402  (shared_tempdir only: this script pat
 from ferryman_trainer_megatron.config import MegatronTrainerConfig  # noqa: E402
 from ferryman_trainer_megatron.convert import hf_to_megatron, layout, megatron_to_hf, to_global_name, tp_merge, tp_split  # noqa: E402
 from ferryman_trainer_megatron.mapping import gpt_model_kwargs, model_shape, padded_vocab_size, transformer_config_kwargs  # noqa: E402
-from ferryman_trainer_megatron.megatron_runtime import build_transformer_config  # noqa: E402
+from ferryman_trainer_megatron.megatron_runtime import build_transformer_config, with_sdpa_attention  # noqa: E402
 from ferryman_trainer_megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy, vocab_range  # noqa: E402
 
 common = dict(vocab_size=151, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -98,6 +100,17 @@ for family, hf in models.items():
     parts = [torch.empty_like(shard) for _ in range(world)]
     dist.all_gather(parts, shard.contiguous())
     logit_diff = (torch.cat(parts, -1)[..., : shape.vocab_size] - ref).abs().max().item()
+    # the trainer's default core attention (PyTorch SDPA, causal by itself: no mask) on the same
+    # shard of the weights gives the same logits
+    sdpa = GPTModel(build_transformer_config(kw), with_sdpa_attention(spec), pre_process=True, post_process=True,
+                    **gpt_model_kwargs(shape, cfg))
+    sdpa.load_state_dict(model.state_dict())
+    sdpa.eval()
+    with torch.no_grad():
+        sdpa_shard = sdpa(ids, pos, None, **extra)
+    sdpa_parts = [torch.empty_like(sdpa_shard) for _ in range(world)]
+    dist.all_gather(sdpa_parts, sdpa_shard.contiguous())
+    sdpa_diff = (torch.cat(sdpa_parts, -1)[..., : shape.vocab_size] - ref).abs().max().item()
     start, _ = vocab_range(padded, world, rank)
     lp, _ = vocab_parallel_log_probs_and_entropy(shard[:, :-1], ids[:, 1:], vocab_start=start, vocab_size=shape.vocab_size,
                                                  group=dist.group.WORLD if world > 1 else None, chunk_tokens=5)
@@ -116,6 +129,6 @@ for family, hf in models.items():
             for hf_name, t in megatron_to_hf(e, full, shape):
                 assert torch.equal(t, sd[hf_name]), (family, hf_name)
     if rank == 0:
-        print(f"RESULT {family} {logit_diff:.3e} {lp_diff:.3e}", flush=True)
+        print(f"RESULT {family} {logit_diff:.3e} {lp_diff:.3e} {sdpa_diff:.3e}", flush=True)
 dist.destroy_process_group()
 sys.exit(0)

@@ -43,12 +43,13 @@ def _torchrun(script: str, nproc: int, **env: str) -> subprocess.CompletedProces
 def test_real_megatron_gpt_matches_hf_for_every_family_with_tp2():
     proc = _torchrun("megatron_cpu_check.py", 2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = {line.split()[1]: (float(line.split()[2]), float(line.split()[3]))
+    results = {line.split()[1]: tuple(float(x) for x in line.split()[2:5])
                for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
     assert set(results) == {"qwen2-tied", "qwen2", "qwen3", "qwen3_moe"}, proc.stdout
-    for family, (logit_diff, lp_diff) in results.items():
+    for family, (logit_diff, lp_diff, sdpa_diff) in results.items():
         assert logit_diff < 1e-4, (family, logit_diff)
         assert lp_diff < 1e-4, (family, lp_diff)
+        assert sdpa_diff < 1e-4, (family, sdpa_diff)  # the SDPA core attention: HF's logits too
 
 
 @pytest.mark.slow

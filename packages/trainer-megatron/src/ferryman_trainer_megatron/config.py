@@ -66,6 +66,12 @@ class MegatronTrainerConfig(PluginConfig):
     """Layer spec: ``local`` (Megatron-core's own modules, no extra dependency) or
     ``transformer_engine`` (TE's fused modules; needs the ``megatron-te`` extra). See the
     README for what the local spec cannot do."""
+    local_attention: Literal["sdpa", "dot_product"] = "sdpa"
+    """Core attention of the ``local`` spec: ``sdpa`` (PyTorch's fused scaled-dot-product
+    attention, causal, no ``[seq, seq]`` tensors; flash kernels on GPUs) or ``dot_product``
+    (Megatron's ``DotProductAttention``, which materialises ``[batch, heads, seq, seq]`` scores
+    and probabilities: 3 GiB per layer at 8k tokens for a 1.5B shape). Not used with
+    ``transformer_engine``."""
     recompute: Literal["none", "full", "selective"] = "none"
     """Activation recomputation: ``full`` recomputes whole layers (``recompute_num_layers`` of
     them per pipeline stage, uniform method), ``selective`` only core attention."""

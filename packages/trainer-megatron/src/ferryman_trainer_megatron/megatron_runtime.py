@@ -50,6 +50,48 @@ def build_transformer_config(kwargs: dict[str, Any]):
     return TransformerConfig(**kw)
 
 
+def with_sdpa_attention(spec: Any) -> Any:
+    """``spec`` (a local GPT layer spec) with :class:`~ferryman_trainer_megatron.sdpa_attention.SDPACoreAttention`
+    as its self-attention's ``core_attention`` (a copy; the spec passed in is not changed)."""
+    from dataclasses import replace
+
+    from ferryman_trainer_megatron.sdpa_attention import SDPACoreAttention
+
+    attn = spec.submodules.self_attention
+    attn = replace(attn, submodules=replace(attn.submodules, core_attention=SDPACoreAttention))
+    return replace(spec, submodules=replace(spec.submodules, self_attention=attn))
+
+
+def tolerate_torch_adam_step(optim: Any) -> None:
+    """Work around a megatron-core 0.19.2 bug in loading distributed-optimizer checkpoints
+    without Apex or Transformer Engine (found on the H200, bench/results/gpu_megatron.md).
+
+    There the inner optimizer is torch's AdamW, whose per-parameter state holds a ``step``
+    tensor. ``DistributedOptimizer.load_state_dict`` restores ``step`` itself (from the param
+    groups), then ``load_parameter_state_from_fully_reshardable`` hands each parameter's
+    tensors to ``_set_main_param_and_optimizer_states`` *without* ``step`` ("handled
+    separately"), which copies every tensor of the live state and so fails with
+    ``KeyError: 'step'``. This wraps that method on each distributed optimizer of ``optim``
+    (chained ones included) to pass the live ``step`` through, already restored, when the
+    loaded tensors lack it; any other missing state still fails as before. A no-op where the
+    method or the condition is absent (Apex/TE optimizers keep ``step`` in the param groups)."""
+    for o in getattr(optim, "chained_optimizers", None) or [optim]:
+        original = getattr(o, "_set_main_param_and_optimizer_states", None)
+        if original is None or getattr(o, "_ferryman_step_tolerant", False):
+            continue
+
+        def tolerant(model_param: Any, tensors: dict[str, Any], _o: Any = o, _original: Any = original) -> Any:
+            if "step" not in tensors and not _o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                group, order = _o.model_param_group_index_map[model_param]
+                live = _o.optimizer.state[_o.optimizer.param_groups[group]["params"][order]].get("step")
+                if isinstance(live, torch.Tensor):
+                    tensors = {**tensors, "step": live}
+            return _original(model_param, tensors)
+
+        o._set_main_param_and_optimizer_states = tolerant
+        o._ferryman_step_tolerant = True
+
+
 class _Handle:
     def __init__(self, role: str, model: Any, module: Any, optim: Any, config: Any) -> None:
         self.role, self.model, self.module, self.optim, self.config = role, model, module, optim, config
@@ -134,6 +176,7 @@ class MegatronRuntime:
         self.etp_rank = ps.get_expert_tensor_parallel_rank() if self.shape.is_moe else 0
         self.etp_group = ps.get_expert_tensor_parallel_group() if self.shape.is_moe else None
         self.te = config.transformer_impl == "transformer_engine"
+        self.sdpa = not self.te and config.local_attention == "sdpa"
         self._hf_files: dict[str, str] | None = None
 
     # ------------------------------------------------------------------ building
@@ -143,7 +186,10 @@ class MegatronRuntime:
         s = self.shape
         if self.te:
             return get_gpt_layer_with_transformer_engine_spec(num_experts=s.num_experts, moe_grouped_gemm=s.is_moe, qk_layernorm=s.qk_norm)
-        return get_gpt_layer_local_spec(num_experts=s.num_experts, moe_grouped_gemm=False, qk_layernorm=s.qk_norm, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(num_experts=s.num_experts, moe_grouped_gemm=False, qk_layernorm=s.qk_norm, normalization="RMSNorm")
+        if self.sdpa:
+            spec = with_sdpa_attention(spec)
+        return spec
 
     def _hf_tensor(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -229,6 +275,7 @@ class MegatronRuntime:
                             use_distributed_optimizer=c.use_distributed_optimizer),
             [ddp],
         )
+        tolerate_torch_adam_step(optim)
         ddp.eval()
         return _Handle(role, ddp, module, optim, tconf)
 
@@ -272,8 +319,9 @@ class MegatronRuntime:
                 pos = torch.nn.functional.pad(pos, (0, pad))
             ids, pos = ids.to(self.device), pos.to(self.device)
             t = ids.shape[1]
-            # right padding + causal mask: real tokens never see padding
-            mask = None if self.te else torch.ones(1, 1, t, t, dtype=torch.bool, device=self.device).triu(1)
+            # right padding + causal mask: real tokens never see padding (TE and SDPA are causal
+            # by themselves; Megatron's DotProductAttention reads a [1, 1, t, t] mask)
+            mask = None if self.te or self.sdpa else torch.ones(1, 1, t, t, dtype=torch.bool, device=self.device).triu(1)
             kwargs: dict[str, Any] = {}
             if self.shape.is_moe:
                 pm = sub.attention_mask == 0
