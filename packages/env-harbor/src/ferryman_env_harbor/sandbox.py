@@ -133,7 +133,13 @@ ln -s /proc/self/fd "$R/dev/fd"
 ln -s /proc/self/fd/0 "$R/dev/stdin"
 ln -s /proc/self/fd/1 "$R/dev/stdout"
 ln -s /proc/self/fd/2 "$R/dev/stderr"
-if [ "$NET" = 1 ]; then ip link set lo up; fi
+# the private network's loopback up (SIOCGIFFLAGS / SIOCSIFFLAGS with IFF_UP through perl, which the
+# holder needs anyway: no iproute2 needed, which minimal hosts such as the project's GPU machine lack)
+if [ "$NET" = 1 ]; then
+  perl -e 'use Socket; socket(my $s, PF_INET, SOCK_DGRAM, 0) or die "socket: $!\n";
+    my $r = pack("a16 s x22", "lo", 0); ioctl($s, 0x8913, $r) or die "SIOCGIFFLAGS lo: $!\n";
+    ioctl($s, 0x8914, pack("a16 s x22", "lo", unpack("x16 s", $r) | 1)) or die "SIOCSIFFLAGS lo: $!\n";'
+fi
 # the sandbox's root becomes the namespace's root; the host's tree is detached from it, so
 # nothing of the host is reachable by path, not even by a chroot escape
 cd "$R"
