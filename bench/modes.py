@@ -247,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
 
         import ray
 
-        from ferryman.runner import _no_uv_run_workers
+        from ferryman.cluster.connect import no_uv_run_workers
 
-        _no_uv_run_workers()
+        no_uv_run_workers()
         ray.init(
             num_cpus=args.cpus,
             **({"num_gpus": 1} if args.stack == "gpu" else {}),

@@ -77,9 +77,12 @@ def test_misfits_are_named():
 def test_config_validates_without_megatron():
     cfg = MegatronTrainerConfig(tensor_parallel_size=2, sequence_parallel=True, recompute="full", recompute_num_layers=4)
     assert cfg.model_parallel_size == 2
+    assert MegatronTrainerConfig(num_workers=4, tensor_parallel_size=2).num_workers == 4  # 2 replicas of TP 2
     for bad, field in [({"sequence_parallel": True}, "sequence_parallel"), ({"context_parallel_size": 2}, "context_parallel_size"),
                        ({"recompute_num_layers": 2}, "recompute_num_layers"), ({"betas": (0.9, 1.0)}, "beta"),
-                       ({"device": "cpu"}, "device"), ({"tensor_parallel_size": 0}, "tensor_parallel_size")]:
+                       ({"device": "cpu"}, "device"), ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+                       ({"num_workers": 3, "tensor_parallel_size": 2}, "num_workers"), ({"num_gpus_per_worker": 0}, "num_gpus_per_worker"),
+                       ({"local_attention": "flash"}, "local_attention")]:
         with pytest.raises(ValidationError, match=field):
             MegatronTrainerConfig(**bad)
 

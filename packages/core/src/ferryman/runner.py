@@ -35,6 +35,7 @@ from ferryman.checkpoint import (
 )
 from ferryman.client import ServerClient
 from ferryman.cluster import Placement, cluster_nodes, connect, plan_placement, resolve_address, set_control_actor_options
+from ferryman.cluster.connect import no_uv_run_workers
 from ferryman.cluster.tuning import tune_control_plane_gc
 from ferryman.config import ConfigError, RunConfig, missing_requirements, validate_plugin_sections
 from ferryman.engine_host import EngineHandle, spawn_engine_actors
@@ -646,20 +647,6 @@ async def _where(engines: list[EngineHandle], rollouter: Any, trainer: Any) -> d
     return dict(zip(names, found))
 
 
-def _no_uv_run_workers() -> None:
-    """Under ``uv run``, Ray would start every worker through ``uv run`` as well (re-resolving the
-    project, possibly trying to download an interpreter: fatal offline). The driver's own
-    interpreter and environment are the right ones for the workers. Ray reads the switch
-    ``RAY_ENABLE_UV_RUN_RUNTIME_ENV`` once, when first imported, so set the constant too."""
-    os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
-    try:
-        from ray._private import ray_constants
-
-        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
-    except (ImportError, AttributeError):  # pragma: no cover - other Ray versions
-        pass
-
-
 RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
@@ -730,7 +717,7 @@ def run(cfg: RunConfig, host: PluginHost | None = None, *, resume: str | Path | 
         else:
             import ray
 
-            _no_uv_run_workers()
+            no_uv_run_workers()
             quiet_ray_auth_warning()
             address = resolve_address(cfg.ray.address)
             num_cpus = cfg.ray_num_cpus or max(os.cpu_count() or 1, math.ceil(plan_placement(cfg).local_cpus()))

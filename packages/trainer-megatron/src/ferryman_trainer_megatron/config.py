@@ -93,6 +93,23 @@ class MegatronTrainerConfig(PluginConfig):
     """With a critic: ``update_actor`` does nothing until ``update_critic`` ran this often."""
     lr_warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warmup over this many optimizer steps; 0 = constant."""
+    num_workers: int = Field(1, ge=1)
+    """Megatron ranks. 1: this process is the only rank, or ``torchrun`` started the ranks. N > 1:
+    the factory returns a :class:`~ferryman_trainer_megatron.ray_group.RayMegatronGroup` of N Ray
+    actors in one placement group (one rank and ``num_gpus_per_worker`` GPUs each), driven as one
+    backend; N must be a multiple of tensor × pipeline × context parallelism (the rest is data
+    parallelism)."""
+    num_cpus_per_worker: float = Field(1.0, gt=0)
+    """CPUs reserved for each rank's bundle (``num_workers > 1``)."""
+    num_gpus_per_worker: float = Field(1.0, gt=0)
+    """GPUs reserved for each rank's bundle (``num_workers > 1``)."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement-group strategy of the rank bundles (``PACK``: ranks packed per node, which keeps
+    tensor-parallel neighbours on one node)."""
+    worker_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources in each rank's bundle, e.g. ``{trainer_node: 1}``."""
+    placement_timeout_s: float = Field(300.0, gt=0)
+    """How long to wait for Ray to place the bundles before failing with the cluster's resources."""
     device: Literal["cuda"] = "cuda"
     """Megatron-core trains on CUDA GPUs only (``cuda:LOCAL_RANK`` per rank)."""
     backend: Literal["nccl"] = "nccl"
@@ -112,6 +129,15 @@ class MegatronTrainerConfig(PluginConfig):
                 "trainer.context_parallel_size: context parallelism is not implemented yet by the "
                 "megatron backend (it needs transformer_impl: transformer_engine and the sequence "
                 "split of each micro-batch); use 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _workers_hold_whole_model_replicas(self) -> MegatronTrainerConfig:
+        if self.num_workers > 1 and self.num_workers % self.model_parallel_size:
+            raise ValueError(
+                f"trainer.num_workers ({self.num_workers}) must be a multiple of tensor × pipeline × context "
+                f"parallelism ({self.model_parallel_size})"
             )
         return self
 

@@ -37,6 +37,10 @@ def make_megatron_trainer(
     if algorithm.adv_estimator == "gae" and not config.use_critic:
         raise ValueError("trainer.use_critic must be true with algorithm.adv_estimator='gae' (GAE needs values)")
     require_megatron()
+    if config.num_workers > 1:
+        from ferryman_trainer_megatron.ray_group import RayMegatronGroup
+
+        return RayMegatronGroup(config, model_path=model_path, algorithm=algorithm, seed=seed)
     from ferryman_trainer_megatron.trainer import MegatronTrainerBackend
 
     return MegatronTrainerBackend(config, model_path=model_path, algorithm=algorithm, seed=seed)

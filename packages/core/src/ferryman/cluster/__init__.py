@@ -7,6 +7,8 @@
   names what is missing before anything starts.
 * :class:`Placement` reserves them as placement groups and hands out the scheduling strategies
   of the engine actors, the trainer and the control plane (Rollouter, MessageQueue).
+* :class:`~ferryman.cluster.rank_group.RayRankGroup` (imported from its module) drives N trainer
+  ranks (FSDP, Megatron) as Ray actors in one placement group, as one ``TrainerBackend``.
 """
 
 from ferryman.cluster.capacity import ClusterCapacityError, NodeInfo, check_capacity, cluster_nodes

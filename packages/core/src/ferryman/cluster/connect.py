@@ -87,3 +87,17 @@ def connect(
     ctx = ray.get_runtime_context()
     log.info("joined the Ray cluster at %s (node %s)", address, ctx.get_node_id())
     return True
+
+
+def no_uv_run_workers() -> None:
+    """Under ``uv run``, Ray would start every worker through ``uv run`` as well (re-resolving the
+    project, possibly trying to download an interpreter: fatal offline). The driver's own
+    interpreter and environment are the right ones for the workers. Ray reads the switch
+    ``RAY_ENABLE_UV_RUN_RUNTIME_ENV`` once, when first imported, so set the constant too."""
+    os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
+    try:
+        from ray._private import ray_constants
+
+        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+    except (ImportError, AttributeError):  # pragma: no cover - other Ray versions
+        pass
