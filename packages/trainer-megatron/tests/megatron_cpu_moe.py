@@ -30,7 +30,7 @@ def main() -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from ferryman.config import AlgorithmConfig
-    from ferryman.testing.trainer_contract import collect_weights, fill_train_batch, random_train_batch
+    from ferryman.testing.trainer_contract import collect_weights, fill_train_batch, random_train_batch, reference_log_probs
     from ferryman_trainer_megatron.config import MegatronTrainerConfig
     from ferryman_trainer_megatron.megatron_runtime import MegatronRuntime
     from ferryman_trainer_megatron.trainer import MegatronTrainerBackend
@@ -58,8 +58,7 @@ def main() -> None:
                                      runtime=MegatronRuntime(cfg, model_path=path, seed=0, _device="cpu"))
     batch = random_train_batch(vocab, seed=0)
     routed, logits = hf_routing(hf, batch, top_k)
-    ref = torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    ref = torch.nn.functional.pad(ref, (1, 0)) * batch.attention_mask
+    ref = reference_log_probs(logits, batch)
     batch.meta["routed_experts"] = routed
     lp = backend.compute_log_probs(batch)
     d = (lp.double() - ref).abs().max().item()

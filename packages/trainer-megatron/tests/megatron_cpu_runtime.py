@@ -28,7 +28,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from ferryman.config import AlgorithmConfig
-    from ferryman.testing.trainer_contract import collect_weights, fill_train_batch, random_train_batch
+    from ferryman.testing.trainer_contract import collect_weights, fill_train_batch, hf_reference_log_probs, random_train_batch
     from ferryman.tiny import build_tiny_model
     from ferryman_trainer_megatron.config import MegatronTrainerConfig
     from ferryman_trainer_megatron.megatron_runtime import MegatronRuntime
@@ -54,10 +54,7 @@ def main() -> None:
     lp = backend.compute_log_probs(batch)
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
-    ref = torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    ref = torch.nn.functional.pad(ref, (1, 0)) * batch.attention_mask
+    ref = hf_reference_log_probs(hf, batch)
     d = (lp.double() - ref).abs()
     if d.max() > 1e-4:
         print("DIFF", d.max(dim=1).values.tolist(), batch.attention_mask.sum(-1).tolist(), flush=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ferryman.config import AlgorithmConfig
-from ferryman.testing.trainer_contract import TrainerContract, fill_train_batch, random_train_batch
+from ferryman.testing.trainer_contract import TrainerContract, fill_train_batch, hf_reference_log_probs, random_train_batch
 from ferryman.tiny import build_tiny_model
 from ferryman_trainer_megatron.config import MegatronTrainerConfig
 from ferryman_trainer_megatron.testing import ACTOR_METRICS, CRITIC_METRICS, FakeMegatronRuntime
@@ -58,10 +58,7 @@ def test_log_probs_equal_the_hf_model_despite_vocab_padding(tmp_path):
         batch.meta["temperature"] = 0.8
         lp = backend.compute_log_probs(batch)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        with torch.no_grad():
-            logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
-        ref = torch.log_softmax(logits[:, :-1].double() / 0.8, -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-        ref = torch.nn.functional.pad(ref, (1, 0)) * batch.attention_mask
+        ref = hf_reference_log_probs(hf, batch, temperature=0.8)
         torch.testing.assert_close(lp.double(), ref, atol=1e-5, rtol=0)
     finally:
         backend.close()

@@ -114,6 +114,21 @@ def fill_train_batch(trainer: TrainerBackend, batch: TrainBatch) -> TrainBatch:
     return replace(batch, **changes)
 
 
+def reference_log_probs(logits: torch.Tensor, batch: TrainBatch, temperature: float = 1.0) -> torch.Tensor:
+    """What a backend's ``compute_log_probs(batch)`` must give, from a reference model's
+    ``logits`` of ``batch.input_ids`` ([B, T, V]): log p(token_t | tokens_<t) at temperature
+    ``temperature`` in float64, [B, T], 0 at position 0 (no prediction) and on padding."""
+    lp = torch.log_softmax(logits[:, :-1].double() / temperature, -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(lp, (1, 0)) * batch.attention_mask
+
+
+def hf_reference_log_probs(model: Any, batch: TrainBatch, temperature: float = 1.0) -> torch.Tensor:
+    """:func:`reference_log_probs` from a transformers causal LM's forward of ``batch``."""
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
+    return reference_log_probs(logits, batch, temperature)
+
+
 def collect_weights(trainer: TrainerBackend, bucket_bytes: int = 1 << 30) -> dict[str, torch.Tensor]:
     """All actor weights from ``iter_weight_buckets``, by name."""
     out: dict[str, torch.Tensor] = {}
