@@ -100,18 +100,22 @@ def test_mode_c_stale_samples_within_bound(tmp_path, tiny_model):
 
 @pytest.mark.slow
 def test_mode_d_partial_rollout_resumes_across_syncs(tmp_path, tiny_model):
-    # generations (32 tokens at 0.1 s a step) outlast a trainer step, and staleness 1 lets two
-    # samples be in flight at a sync: syncs cut them (with 12 tokens at 0.03 s and staleness 0.5
-    # the one extra sample had always finished before the sync came, and nothing was cut; with
-    # 24 tokens at 0.05 s a CI run once had every generation finish inside a slow trainer step)
+    # generations (160 tokens at 0.02 s a step, ~3.5 s) outlast a trainer step (0.1-0.5 s), and
+    # staleness 1 lets two samples be in flight at a sync: syncs cut them. The generations run in
+    # lock step with the trainer (a window's samples start when the last ones finish, just before
+    # the step and its sync), so the ones a sync cuts must have made a token in that one step:
+    # at 0.1 s a token (32 tokens) they often had not, and a cut with no tokens spans no version
+    # (a CI run failed so); with 12 tokens at 0.03 s and staleness 0.5 the one extra sample had
+    # always finished before the sync came; with 24 tokens at 0.05 s a CI run once had every
+    # generation finish inside a slow trainer step
     s_thr = 1.0
     s = _run(
         tmp_path,
         tiny_model,
         f"async_training.staleness_threshold={s_thr}",
         "async_training.partial_rollout=true",
-        "rollout.max_tokens=32",
-        "engine.step_delay_s=0.1",
+        "rollout.max_tokens=160",
+        "engine.step_delay_s=0.02",
     )
     bound = math.floor(s_thr * W)
     assert all(n <= bound for n in _stale_per_window(s, 1)), _stale_per_window(s, 1)
