@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ferryman.cluster.rank_group import RayRankGroup
+from ferryman.cluster.rank_group import RayRankGroup, settings_from_config
 
 
 def build_rank(config: Any, model_path: str, algorithm: Any, seed: int) -> Any:
@@ -26,20 +26,8 @@ class RayFSDPGroup(RayRankGroup):
     """:class:`ferryman.protocols.TrainerBackend` over ``config.num_workers`` FSDP rank actors."""
 
     def __init__(self, config: Any, *, model_path: str, algorithm: Any, seed: int = 0) -> None:
-        gpus = float(config.num_gpus_per_worker)
-        if config.device.startswith("cuda") and gpus <= 0:
-            gpus = 1.0
         self.config = config
-        super().__init__(
-            build="ferryman_trainer_fsdp.ray_group:build_rank",
-            build_kwargs={"config": config.model_copy(update={"num_workers": 1}), "model_path": str(model_path),
-                          "algorithm": algorithm, "seed": seed},
-            num_workers=config.num_workers,
-            num_cpus_per_worker=config.num_cpus_per_worker,
-            num_gpus_per_worker=gpus,
-            placement_strategy=config.placement_strategy,
-            worker_resources=dict(getattr(config, "worker_resources", {}) or {}),
-            placement_timeout_s=config.placement_timeout_s,
-            num_threads=config.num_threads,
-            label="trainer",
-        )
+        settings = settings_from_config(config, model_path=model_path, algorithm=algorithm, seed=seed)
+        if config.device.startswith("cuda") and settings["num_gpus_per_worker"] <= 0:
+            settings["num_gpus_per_worker"] = 1.0  # 0 with device cuda means one GPU a rank
+        super().__init__(build="ferryman_trainer_fsdp.ray_group:build_rank", **settings)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import timedelta
@@ -48,6 +47,7 @@ from ferryman.algorithms import (
     value_loss,
 )
 from ferryman.batch import TrainBatch, split_groups
+from ferryman.cluster.connect import free_port
 from ferryman.config import AlgorithmConfig, PluginConfig
 from ferryman.protocols import NamedTensors
 
@@ -147,12 +147,6 @@ _OWN_GROUP_USERS = 0
 """Backends alive in this process that share a process group one of them created."""
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def _acquire_process_group(backend: str) -> bool:
     """Make sure the default process group exists. Returns True if this backend shares a group
     that ferryman created (and must release it in ``close``)."""
@@ -168,7 +162,7 @@ def _acquire_process_group(backend: str) -> bool:
     else:
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
             rank=0,
             world_size=1,
             timeout=timedelta(minutes=30),

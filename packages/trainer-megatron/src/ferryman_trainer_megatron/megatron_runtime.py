@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import tempfile
 from collections.abc import Iterator
 from datetime import timedelta
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ferryman.batch import TrainBatch
+from ferryman.cluster.connect import free_port
 from ferryman_trainer_megatron.config import MegatronTrainerConfig
 from ferryman_trainer_megatron.convert import hf_shapes, hf_to_megatron, layout, megatron_to_hf, to_global_name, tp_merge, tp_split
 from ferryman_trainer_megatron.mapping import gpt_model_kwargs, model_shape, padded_vocab_size, transformer_config_kwargs
@@ -29,12 +29,6 @@ from ferryman_trainer_megatron.trainer import Head, LogitsShard
 from ferryman_trainer_megatron.vocab_parallel import vocab_range
 
 _USERS = 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def build_transformer_config(kwargs: dict[str, Any]):
@@ -136,7 +130,7 @@ class MegatronRuntime:
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
                 dist.init_process_group(backend, timeout=timedelta(minutes=30))
             else:
-                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                         timeout=timedelta(minutes=30))
             self._own_group = True
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")

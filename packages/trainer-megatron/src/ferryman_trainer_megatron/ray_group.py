@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ferryman.cluster.rank_group import RayRankGroup
+from ferryman.cluster.rank_group import RayRankGroup, settings_from_config
 
 
 def build_rank(config: Any, model_path: str, algorithm: Any, seed: int) -> Any:
@@ -36,15 +36,4 @@ class RayMegatronGroup(RayRankGroup):
     def __init__(self, config: Any, *, model_path: str, algorithm: Any, seed: int = 0,
                  _build: str = "ferryman_trainer_megatron.ray_group:build_rank") -> None:
         self.config = config
-        super().__init__(
-            build=_build,
-            build_kwargs={"config": config.model_copy(update={"num_workers": 1}), "model_path": str(model_path),
-                          "algorithm": algorithm, "seed": seed},
-            num_workers=config.num_workers,
-            num_cpus_per_worker=config.num_cpus_per_worker,
-            num_gpus_per_worker=config.num_gpus_per_worker,
-            placement_strategy=config.placement_strategy,
-            worker_resources=dict(config.worker_resources),
-            placement_timeout_s=config.placement_timeout_s,
-            label="trainer",
-        )
+        super().__init__(build=_build, **settings_from_config(config, model_path=model_path, algorithm=algorithm, seed=seed))

@@ -89,6 +89,13 @@ def connect(
     return True
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (``""``: on every interface, for peers on other nodes)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def no_uv_run_workers() -> None:
     """Under ``uv run``, Ray would start every worker through ``uv run`` as well (re-resolving the
     project, possibly trying to download an interpreter: fatal offline). The driver's own

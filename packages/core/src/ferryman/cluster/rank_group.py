@@ -24,17 +24,12 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import socket
 from collections.abc import Iterator
 from typing import Any
 
+from ferryman.cluster.connect import free_port, no_uv_run_workers
+
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))  # any interface: ranks on other nodes connect to it
-        return int(s.getsockname()[1])
 
 
 def resolve(path: str) -> Any:
@@ -46,6 +41,24 @@ def resolve(path: str) -> Any:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"cannot load {path!r}: {e}") from None
+
+
+def settings_from_config(config: Any, *, model_path: str, algorithm: Any, seed: int) -> dict[str, Any]:
+    """:class:`RayRankGroup` keywords (all but ``build``) from a trainer config with the usual
+    rank-group fields (``num_workers``, ``num_cpus_per_worker``, ``num_gpus_per_worker``,
+    ``placement_strategy``, ``worker_resources``, ``placement_timeout_s``; ``num_threads`` if it
+    has one). Each rank's backend gets ``config`` with ``num_workers: 1`` (it is one rank)."""
+    return {
+        "build_kwargs": {"config": config.model_copy(update={"num_workers": 1}), "model_path": str(model_path),
+                         "algorithm": algorithm, "seed": seed},
+        "num_workers": config.num_workers,
+        "num_cpus_per_worker": config.num_cpus_per_worker,
+        "num_gpus_per_worker": config.num_gpus_per_worker,
+        "placement_strategy": config.placement_strategy,
+        "worker_resources": dict(config.worker_resources),
+        "placement_timeout_s": config.placement_timeout_s,
+        "num_threads": getattr(config, "num_threads", None),
+    }
 
 
 class RankWorker:
@@ -60,7 +73,7 @@ class RankWorker:
         """This node's address and a free port (asked of rank 0 for the rendezvous)."""
         import ray
 
-        return ray.util.get_node_ip_address(), _free_port()
+        return ray.util.get_node_ip_address(), free_port("")  # any interface: ranks on other nodes connect
 
     def setup(self, master: tuple[str, int], build: str, kwargs: dict[str, Any], threads: int | None) -> dict[str, Any]:
         if threads:
@@ -141,8 +154,6 @@ class RayRankGroup:
         resolve(build)  # a typo fails here, before any actor starts
         n = int(num_workers)
         if not ray.is_initialized():
-            from ferryman.cluster.connect import no_uv_run_workers
-
             no_uv_run_workers()
             ray.init(num_cpus=max(os.cpu_count() or 1, int(n * num_cpus_per_worker + 0.999)),
                      include_dashboard=False, log_to_driver=False)

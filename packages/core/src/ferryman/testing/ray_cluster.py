@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,11 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+from ferryman.cluster.connect import free_port
 
 
 @dataclass
@@ -60,7 +55,7 @@ class LocalRayCluster:
         self.head_cpus = head_cpus
         self.head_resources = dict(head_resources or {})
         self.start_timeout_s = start_timeout_s
-        self.port = _free_port()
+        self.port = free_port("")
         self.nodes: list[RayNode] = []
         self._ray = str(Path(sys.executable).with_name("ray"))
         self.head_ip: str | None = None
@@ -87,7 +82,7 @@ class LocalRayCluster:
         out = []
         for flag in ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
                      "--runtime-env-agent-port", "--metrics-export-port"):
-            out += [flag, str(_free_port())]
+            out += [flag, str(free_port(""))]
         return out
 
     def _launch(self, name: str, ip: str | None, args: list[str], num_cpus: float, resources: dict[str, float]) -> RayNode:
@@ -120,7 +115,7 @@ class LocalRayCluster:
         head = self._launch(
             "head", None,
             ["--head", "--port", str(self.port), "--temp-dir", str(self.temp_dir), "--include-dashboard", "false",
-             "--ray-client-server-port", str(_free_port())],
+             "--ray-client-server-port", str(free_port(""))],
             self.head_cpus, self.head_resources,
         )
         text = head.log.read_text(errors="replace")
