@@ -121,6 +121,8 @@ def main() -> int:
     ap.add_argument("--checkpoint-layers", type=int, default=None,
                     help="recompute only the first N decoder layers (default: all; see FSDPTrainerConfig.checkpoint_layers)")
     ap.add_argument("--offload-optimizer", action="store_true")
+    ap.add_argument("--megatron-offload-fraction", type=float, default=0.0,
+                    help="megatron: share of the optimizer (main weights, Adam states) kept and stepped in host memory")
     ap.add_argument("--model-dir", default=None, help="reuse a model saved by an earlier run")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--json", default=None, help="append the result as one JSON line to this file")
@@ -183,6 +185,7 @@ def main() -> int:
             micro_batch_max_tokens=args.seq_len,
             grad_clip=1.0,
             use_distributed_optimizer=True,
+            optimizer_offload_fraction=args.megatron_offload_fraction,
         )
         return make_megatron_trainer(cfg, model_path=str(model_dir), algorithm=AlgorithmConfig(), seed=0)
 
@@ -224,7 +227,7 @@ def main() -> int:
             "activation_checkpointing": not args.no_checkpointing,
             "checkpoint_layers": "none" if args.no_checkpointing else (
                 "all" if args.checkpoint_layers is None else args.checkpoint_layers),
-            "offload_optimizer": args.offload_optimizer if trainer == "fsdp" else False,
+            "offload_optimizer": args.offload_optimizer if trainer == "fsdp" else args.megatron_offload_fraction,
             "step_s": round(mean, 4),
             "tokens_per_s": round(tok_s, 1),
             "tokens_per_s_per_gpu": round(tok_s / world, 1),

@@ -10,7 +10,13 @@ from pydantic import ValidationError
 from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from ferryman_trainer_megatron.config import MegatronTrainerConfig
-from ferryman_trainer_megatron.mapping import gpt_model_kwargs, model_shape, padded_vocab_size, transformer_config_kwargs
+from ferryman_trainer_megatron.mapping import (
+    gpt_model_kwargs,
+    model_shape,
+    optimizer_config_kwargs,
+    padded_vocab_size,
+    transformer_config_kwargs,
+)
 
 QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, intermediate_size=8960, max_position_embeddings=32768,
@@ -82,9 +88,33 @@ def test_config_validates_without_megatron():
                        ({"recompute_num_layers": 2}, "recompute_num_layers"), ({"betas": (0.9, 1.0)}, "beta"),
                        ({"device": "cpu"}, "device"), ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
                        ({"num_workers": 3, "tensor_parallel_size": 2}, "num_workers"), ({"num_gpus_per_worker": 0}, "num_gpus_per_worker"),
-                       ({"local_attention": "flash"}, "local_attention")]:
+                       ({"local_attention": "flash"}, "local_attention"),
+                       ({"optimizer_offload_fraction": 1.5}, "optimizer_offload_fraction"),
+                       ({"optimizer_offload_fraction": 0.5, "use_distributed_optimizer": False}, "optimizer_offload_fraction")]:
         with pytest.raises(ValidationError, match=field):
             MegatronTrainerConfig(**bad)
+
+
+def test_optimizer_config_and_cpu_offload():
+    import torch
+
+    plain = optimizer_config_kwargs(MegatronTrainerConfig(lr=2e-6, critic_lr=3e-6, betas=(0.8, 0.99)), critic=False,
+                                    params_dtype=torch.bfloat16)
+    assert plain["lr"] == 2e-6 and (plain["adam_beta1"], plain["adam_beta2"]) == (0.8, 0.99) and plain["bf16"]
+    assert "optimizer_cpu_offload" not in plain
+    critic = optimizer_config_kwargs(MegatronTrainerConfig(critic_lr=3e-6), critic=True, params_dtype=torch.bfloat16)
+    assert critic["lr"] == 3e-6
+    off = optimizer_config_kwargs(MegatronTrainerConfig(optimizer_offload_fraction=0.25), critic=False,
+                                  params_dtype=torch.bfloat16)
+    assert off["optimizer_cpu_offload"] and off["optimizer_offload_fraction"] == 0.25
+    assert off["use_precision_aware_optimizer"] and off["use_distributed_optimizer"]
+    try:  # with megatron-core installed (the trainer_megatron nox session): its own checks accept both
+        from megatron.core.optimizer import OptimizerConfig
+    except ImportError:
+        return
+    assert OptimizerConfig(**plain).optimizer_cpu_offload is False
+    cfg = OptimizerConfig(**off)
+    assert cfg.optimizer_cpu_offload and cfg.use_precision_aware_optimizer_no_fp8_or_ds_fp8
 
 
 def test_hooks_import_nothing_heavy():

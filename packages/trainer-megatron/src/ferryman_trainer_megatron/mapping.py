@@ -244,3 +244,21 @@ def gpt_model_kwargs(shape: ModelShape, trainer: Any, *, critic: bool = False) -
         rotary_percent=1.0,
         rotary_base=int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta,
     )
+
+
+def optimizer_config_kwargs(trainer: Any, *, critic: bool, params_dtype: Any) -> dict[str, Any]:
+    """Keyword arguments of Megatron's ``OptimizerConfig`` for the actor (or the critic): Adam with
+    decoupled weight decay, the trainer's clipping, and with ``optimizer_offload_fraction > 0``
+    Megatron's CPU offload (``HybridDeviceOptimizer``, which needs the precision-aware path of the
+    distributed optimizer: the offloaded share's float32 main weights live with its host states)."""
+    kw: dict[str, Any] = dict(
+        optimizer="adam", lr=trainer.critic_lr if critic else trainer.lr, weight_decay=trainer.weight_decay,
+        adam_beta1=trainer.betas[0], adam_beta2=trainer.betas[1], adam_eps=trainer.adam_eps, clip_grad=trainer.grad_clip,
+        bf16=trainer.param_dtype == "bfloat16", params_dtype=params_dtype,
+        use_distributed_optimizer=trainer.use_distributed_optimizer,
+    )
+    if trainer.optimizer_offload_fraction > 0:
+        kw.update(optimizer_cpu_offload=True, optimizer_offload_fraction=trainer.optimizer_offload_fraction,
+                  use_precision_aware_optimizer=True, decoupled_weight_decay=True,
+                  overlap_cpu_optimizer_d2h_h2d=True)
+    return kw

@@ -24,7 +24,13 @@ from ferryman.batch import TrainBatch
 from ferryman.cluster.connect import free_port
 from ferryman_trainer_megatron.config import MegatronTrainerConfig
 from ferryman_trainer_megatron.convert import hf_shapes, hf_to_megatron, layout, megatron_to_hf, to_global_name, tp_merge, tp_split
-from ferryman_trainer_megatron.mapping import gpt_model_kwargs, model_shape, padded_vocab_size, transformer_config_kwargs
+from ferryman_trainer_megatron.mapping import (
+    gpt_model_kwargs,
+    model_shape,
+    optimizer_config_kwargs,
+    padded_vocab_size,
+    transformer_config_kwargs,
+)
 from ferryman_trainer_megatron.trainer import Head, LogitsShard
 from ferryman_trainer_megatron.vocab_parallel import vocab_range
 
@@ -263,12 +269,7 @@ class MegatronRuntime:
         )
         c = self.config
         optim = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=c.lr if role == "actor" else c.critic_lr, weight_decay=c.weight_decay,
-                            adam_beta1=c.betas[0], adam_beta2=c.betas[1], adam_eps=c.adam_eps, clip_grad=c.grad_clip,
-                            bf16=c.param_dtype == "bfloat16", params_dtype=tconf.params_dtype,
-                            use_distributed_optimizer=c.use_distributed_optimizer),
-            [ddp],
-        )
+            OptimizerConfig(**optimizer_config_kwargs(c, critic=critic, params_dtype=tconf.params_dtype)), [ddp])
         tolerate_torch_adam_step(optim)
         ddp.eval()
         return _Handle(role, ddp, module, optim, tconf)
@@ -471,6 +472,9 @@ class MegatronRuntime:
 
     # ------------------------------------------------------------------ colocated mode
     def offload(self, handles: dict[str, _Handle]) -> None:
+        if self.config.optimizer_offload_fraction > 0:
+            raise ValueError("trainer.optimizer_offload_fraction > 0 cannot be combined with colocated mode's offload(); "
+                             "set it to 0 or run the trainer on its own GPUs")
         torch.cuda.synchronize(self.device)
         for h in handles.values():
             if h.optim is None:
