@@ -9,7 +9,10 @@ engine: start time, wall time of the batch, generated tokens/s, and the ratio.
 
 ``sglang-raw`` is SGLang's own ``Engine.async_generate`` on the same prompts, all in one batch
 call (token ids in, ``return_logprob`` on, as ferryman asks), with the same server arguments as
-the ``sglang`` row: the ratio sglang / sglang-raw is the wrapper's cost.
+the ``sglang`` row: the ratio sglang / sglang-raw is the wrapper's cost. ``vllm-raw`` likewise is
+vLLM's own offline ``LLM.generate`` (the same ``LLMEngine`` step loop as the ``thread`` core) on
+the same prompts with the ``vllm`` row's engine arguments and sampling parameters (token ids
+in, the sampled token's log-prob out, no detokenizing): vllm / vllm-raw is that wrapper's cost.
 
     python bench/engine.py --out /tmp/bench-engine.json
     python bench/engine.py --engines vllm --num-prompts 256
@@ -145,6 +148,52 @@ async def run_sglang_raw(prompts: list[list[int]], max_tokens: int, args: argpar
     }
 
 
+def vllm_config(args: argparse.Namespace):
+    from ferryman_engine_vllm import VLLMEngineConfig
+
+    return VLLMEngineConfig(
+        core=args.vllm_core,
+        dtype="bfloat16",
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.prompt_len + args.max_tokens + 16,
+        max_num_seqs=max(256, args.num_prompts),
+        enforce_eager=args.enforce_eager,
+    )
+
+
+def run_vllm_raw(prompts: list[list[int]], max_tokens: int, args: argparse.Namespace, model_dir: Path) -> dict:
+    """vLLM's own offline LLM on the same prompts: one generate() call over all of them."""
+    from vllm import LLM
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = vllm_config(args).engine_args(model_path=str(model_dir), seed=0)
+    kwargs.pop("worker_extension_cls", None)  # ferryman's weight-loading hooks: not used here
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    started = time.perf_counter() - t0
+
+    def sp(n: int) -> VSamplingParams:
+        return VSamplingParams(max_tokens=n, temperature=1.0, logprobs=0, detokenize=False, skip_special_tokens=False)
+
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:8]], sp(8), use_tqdm=False)
+    t1 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp(max_tokens), use_tqdm=False)
+    wall = time.perf_counter() - t1
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    res = {
+        "engine": "vllm-raw",
+        "start_s": round(started, 1),
+        "wall_s": round(wall, 3),
+        "generated_tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 1),
+        "finished_by_length": sum(o.outputs[0].finish_reason == "length" for o in outs),
+        "steps": None,
+    }
+    del llm
+    return res
+
+
 def free_gpu() -> None:
     import torch
 
@@ -166,17 +215,15 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
     results = []
     for name in args.engines.split(","):
         if name == "vllm":
-            from ferryman_engine_vllm import VLLMEngineConfig, make_vllm_engine
+            from ferryman_engine_vllm import make_vllm_engine
 
-            cfg = VLLMEngineConfig(
-                core=args.vllm_core,
-                dtype="bfloat16",
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                max_model_len=args.prompt_len + args.max_tokens + 16,
-                max_num_seqs=max(256, args.num_prompts),
-                enforce_eager=args.enforce_eager,
-            )
-            engine = make_vllm_engine(cfg, model_path=str(model_dir), replica="bench-vllm", seed=0)
+            engine = make_vllm_engine(vllm_config(args), model_path=str(model_dir), replica="bench-vllm", seed=0)
+        elif name == "vllm-raw":
+            res = run_vllm_raw(prompts, args.max_tokens, args, model_dir)
+            free_gpu()
+            print(json.dumps(res), flush=True)
+            results.append(res)
+            continue
         elif name == "sglang":
             from ferryman_engine_sglang import make_sglang_engine
 
@@ -193,7 +240,7 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
             cfg = HFEngineConfig(device="cuda", dtype="bfloat16", max_batch_size=args.num_prompts, prefix_cache=False)
             engine = make_hf_engine(cfg, model_path=str(model_dir), replica="bench-hf", seed=0)
         else:
-            raise SystemExit(f"unknown engine {name!r} (vllm, sglang, sglang-raw, hf)")
+            raise SystemExit(f"unknown engine {name!r} (vllm, vllm-raw, sglang, sglang-raw, hf)")
         res = await run_engine(name, engine, prompts, args.max_tokens)
         del engine
         free_gpu()
@@ -223,6 +270,8 @@ def main() -> None:
         print(f"| {r['engine']} | {r['start_s']} | {r['wall_s']} | {r['generated_tokens']} | {r['tokens_per_s']} |")
     if "vllm" in by and "hf" in by:
         print(f"\nvllm / hf tokens/s: {by['vllm']['tokens_per_s'] / by['hf']['tokens_per_s']:.1f}x")
+    if "vllm" in by and "vllm-raw" in by:
+        print(f"vllm / vllm-raw tokens/s: {by['vllm']['tokens_per_s'] / by['vllm-raw']['tokens_per_s']:.3f}x")
     if "sglang" in by and "sglang-raw" in by:
         print(f"sglang / sglang-raw tokens/s: {by['sglang']['tokens_per_s'] / by['sglang-raw']['tokens_per_s']:.3f}x")
     if "sglang" in by and "hf" in by:
