@@ -65,3 +65,17 @@ def test_one_gpu_with_too_large_shares_fails_naming_the_fields():
 
     with pytest.raises(ConfigError, match="rollout.num_gpus_per_replica / ray.trainer.num_gpus"):
         load_config(ROOT / "examples/gpu/one_gpu.yaml", ["ray.trainer.num_gpus=0.5"], None)
+
+
+def test_one_gpu_sglang_is_the_one_gpu_run_with_sglang_engines():
+    one, _ = load_config(ROOT / "examples/gpu/one_gpu.yaml", [], None)
+    sgl, _ = load_config(ROOT / "examples/gpu/one_gpu_sglang.yaml", [], None)
+    assert sgl.engine["type"] == "sglang" and one.engine["type"] == "vllm"
+    a, b = one.model_dump(), sgl.model_dump()
+    for key in ("engine", "run_dir"):
+        a.pop(key), b.pop(key)
+    assert a == b  # the same run: model, task, algorithm, modes, trainer, sync
+    # each replica's context and running requests as vLLM's; its KV pool holds them all at once
+    assert sgl.engine["context_length"] == one.engine["max_model_len"]
+    assert sgl.engine["max_running_requests"] == one.engine["max_num_seqs"]
+    assert sgl.engine["max_total_tokens"] >= sgl.engine["context_length"] * sgl.engine["max_running_requests"]
