@@ -42,7 +42,8 @@ def test_log_probs_and_ppo_step_match_fsdp_at_qwen2_5_1_5b_shape(tmp_path):
     backends, the same batch. bf16 rounds activations to 8 bits of mantissa (~4e-3 relative)
     and the two order their sums differently over 28 layers, so single tokens can differ by a
     few 1e-2; the mean over tokens is what must stay within 1e-2, and one PPO step's loss
-    within 2e-2 of its size (the CPU test holds the same comparison to 1e-5 in float32)."""
+    within what that log-prob difference allows (below; the CPU test holds the same comparison
+    to 1e-5 in float32)."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("ferryman_trainer_fsdp")
     if not torch.cuda.is_available():
@@ -71,8 +72,15 @@ def test_log_probs_and_ppo_step_match_fsdp_at_qwen2_5_1_5b_shape(tmp_path):
         m_f, m_m = fsdp.update_actor(full), meg.update_actor(full)
         print(f"PARITY pg_loss fsdp {m_f['actor/pg_loss']:.6f} megatron {m_m['actor/pg_loss']:.6f}; "
               f"grad_norm {m_f['actor/grad_norm']:.4f} / {m_m['actor/grad_norm']:.4f}")
-        scale = max(abs(m_f["actor/pg_loss"]), 1e-3)
-        assert abs(m_f["actor/pg_loss"] - m_m["actor/pg_loss"]) < 2e-2 * scale + 1e-4, (m_f, m_m)
+        # The step's ratios are exp(lp_new - old): 1 for FSDP, whose forward gave `old`, and
+        # exp(lp_m - lp_f) for Megatron. The clipped objective moves by at most |A| |r - 1| per
+        # token, so the token-mean losses can differ by at most mean(|A| expm1(|lp_f - lp_m|))
+        # over the loss tokens: the bound follows from the log-prob difference just measured
+        # (with a quarter of slack for the train-mode forwards, which are not the ones above).
+        lm = full.loss_mask.bool()
+        bound = float((torch.expm1((lp_f - lp_m).abs()) * full.advantages.abs().double())[lm].mean())
+        print(f"PARITY pg_loss bound from the log-prob difference {bound:.3e}")
+        assert abs(m_f["actor/pg_loss"] - m_m["actor/pg_loss"]) <= 1.25 * bound + 1e-4, (m_f, m_m, bound)
         assert abs(m_f["actor/grad_norm"] - m_m["actor/grad_norm"]) < 5e-2 * m_f["actor/grad_norm"], (m_f, m_m)
     finally:
         fsdp.close()

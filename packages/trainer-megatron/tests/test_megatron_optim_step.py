@@ -18,7 +18,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (ext
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
 
-from ferryman_trainer_megatron.megatron_runtime import tolerate_torch_adam_step  # noqa: E402
+from ferryman_trainer_megatron.megatron_runtime import tolerate_torch_adam_step, untie_adam_steps  # noqa: E402
 
 
 def _stand_in():
@@ -67,3 +67,63 @@ def test_chained_optimizers_are_each_wrapped():
         a._set_main_param_and_optimizer_states(pa, la)
         b._set_main_param_and_optimizer_states(pb, lb)
     assert float(a.optimizer.state[a.optimizer.param_groups[0]["params"][0]]["step"]) == 1.0
+
+
+def _restore_like_megatron(adam: torch.optim.AdamW, step_value: float) -> None:
+    """What DistributedOptimizer.load_state_dict does without Apex/TE (megatron-core 0.19.2,
+    distrib_optimizer.py, "Extract 'step', for non-Apex/TE support"): one step tensor for every
+    parameter's state, then torch's load_state_dict."""
+    inner = adam.state_dict()
+    step = torch.tensor(step_value, dtype=torch.float)
+    for s in inner["state"].values():
+        s["step"] = step
+    adam.load_state_dict(inner)
+
+
+def _adam_after(steps: int) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5)) for _ in range(3)]
+    adam = torch.optim.AdamW(params, lr=0.1, foreach=True)
+    for i in range(steps):
+        for j, p in enumerate(params):
+            p.grad = torch.full((5,), 0.1 * (i + j + 1))
+        adam.step()
+    return params, adam
+
+
+def test_a_restored_step_is_one_tensor_for_all_parameters_until_untied():
+    params, adam = _adam_after(1)
+    _restore_like_megatron(adam, 1.0)
+    steps = [adam.state[p]["step"] for p in params]
+    assert all(s is steps[0] for s in steps)  # the shared tensor Megatron hands to torch
+    for p in params:
+        p.grad = torch.ones(5)
+    adam.step()
+    assert float(adam.state[params[0]]["step"]) == 1.0 + len(params)  # one increment per parameter
+
+    params, adam = _adam_after(1)
+    reference = [p.detach().clone() for p in params]
+    ref_params, ref_adam = _adam_after(1)
+    _restore_like_megatron(adam, 1.0)
+    untie_adam_steps(adam)
+    steps = [adam.state[p]["step"] for p in params]
+    assert len({id(s) for s in steps}) == len(params)
+    for p, q in zip(params, ref_params):
+        p.grad = torch.ones(5)
+        q.grad = torch.ones(5)
+    adam.step()
+    ref_adam.step()
+    for p, q, r in zip(params, ref_params, reference):
+        assert float(adam.state[p]["step"]) == 2.0
+        assert not torch.equal(p.detach(), r)
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)  # the uninterrupted update, bit for bit
+
+
+def test_the_wrapped_load_state_dict_unties_the_steps():
+    params, adam = _adam_after(1)
+    o = types.SimpleNamespace(optimizer=adam, _set_main_param_and_optimizer_states=lambda *a: None,
+                              load_state_dict=lambda sd: _restore_like_megatron(adam, sd["step"]))
+    tolerate_torch_adam_step(o)
+    o.load_state_dict({"step": 1.0})
+    steps = [adam.state[p]["step"] for p in params]
+    assert len({id(s) for s in steps}) == len(params) and all(float(s) == 1.0 for s in steps)

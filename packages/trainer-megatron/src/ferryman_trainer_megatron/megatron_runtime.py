@@ -74,7 +74,8 @@ def tolerate_torch_adam_step(optim: Any) -> None:
     ``KeyError: 'step'``. This wraps that method on each distributed optimizer of ``optim``
     (chained ones included) to pass the live ``step`` through, already restored, when the
     loaded tensors lack it; any other missing state still fails as before. A no-op where the
-    method or the condition is absent (Apex/TE optimizers keep ``step`` in the param groups)."""
+    method or the condition is absent (Apex/TE optimizers keep ``step`` in the param groups).
+    It also wraps ``load_state_dict`` to untie the restored ``step`` tensors (:func:`untie_adam_steps`)."""
     for o in getattr(optim, "chained_optimizers", None) or [optim]:
         original = getattr(o, "_set_main_param_and_optimizer_states", None)
         if original is None or getattr(o, "_ferryman_step_tolerant", False):
@@ -89,7 +90,32 @@ def tolerate_torch_adam_step(optim: Any) -> None:
             return _original(model_param, tensors)
 
         o._set_main_param_and_optimizer_states = tolerant
+        original_load = getattr(o, "load_state_dict", None)
+        if original_load is not None:
+            def load_untied(state_dict: Any, _o: Any = o, _original: Any = original_load) -> Any:
+                result = _original(state_dict)
+                untie_adam_steps(_o.optimizer)
+                return result
+
+            o.load_state_dict = load_untied
         o._ferryman_step_tolerant = True
+
+
+def untie_adam_steps(optimizer: Any) -> None:
+    """Give every parameter's ``step`` its own tensor again (the second half of the 0.19.2 bug
+    above, found on the H200 as a failed checkpoint round trip). Without Apex/TE,
+    ``DistributedOptimizer.load_state_dict`` assigns one ``step`` tensor to every parameter's
+    state (``s["step"] = step`` in a loop, megatron/core/optimizer/distrib_optimizer.py), and torch's
+    ``load_state_dict`` keeps that one object for a non-fused, non-capturable AdamW. AdamW then
+    adds 1 to it in place once per parameter on each step, so after a restore the bias correction
+    runs as if hundreds of steps had passed and the update differs from the uninterrupted one."""
+    state = getattr(optimizer, "state", None)
+    if not state:
+        return
+    for s in state.values():
+        step = s.get("step") if isinstance(s, dict) else None
+        if isinstance(step, torch.Tensor):
+            s["step"] = step.clone()
 
 
 class _Handle:
@@ -257,6 +283,14 @@ class MegatronRuntime:
             module.output_layer = _ValueHead(self.shape.hidden_size, tconf.params_dtype).to(self.device)
         module.to(self.device)
         self._load_hf(module, critic)
+        if tconf.params_dtype != torch.float32:
+            # the local spec's norms (torch.nn.RMSNorm) are built in float32 whatever params_dtype
+            # says; Megatron-LM's Float16Module casts the whole model, and so does this (the
+            # optimizer keeps float32 main weights of every parameter either way). The offloading
+            # optimizer needs it: it cannot take the float32 parameters' shard views.
+            for param in module.parameters():
+                if param.dtype == torch.float32:
+                    param.data = param.data.to(tconf.params_dtype)
         if role == "ref":
             module.requires_grad_(False)
             module.eval()
