@@ -95,6 +95,15 @@ def test_config_validates_without_megatron():
             MegatronTrainerConfig(**bad)
 
 
+def test_full_recompute_checkpoints_each_layer_of_a_stage():
+    shape = model_shape(Qwen2Config(**QWEN25_15B))  # 28 layers
+    every = transformer_config_kwargs(shape, MegatronTrainerConfig(recompute="full", pipeline_parallel_size=2))
+    assert (every["recompute_granularity"], every["recompute_method"], every["recompute_num_layers"]) == ("full", "block", 14)
+    some = transformer_config_kwargs(shape, MegatronTrainerConfig(recompute="full", recompute_num_layers=8))
+    assert (some["recompute_method"], some["recompute_num_layers"]) == ("block", 8)
+    assert "recompute_method" not in transformer_config_kwargs(shape, MegatronTrainerConfig(recompute="selective"))
+
+
 def test_optimizer_config_and_cpu_offload():
     import torch
 

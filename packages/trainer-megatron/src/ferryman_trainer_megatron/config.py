@@ -83,7 +83,8 @@ class MegatronTrainerConfig(PluginConfig):
     ``transformer_engine``."""
     recompute: Literal["none", "full", "selective"] = "none"
     """Activation recomputation: ``full`` recomputes whole layers (``recompute_num_layers`` of
-    them per pipeline stage, uniform method), ``selective`` only core attention."""
+    them per pipeline stage, each layer checkpointed on its own: Megatron's ``block`` method),
+    ``selective`` only core attention."""
     recompute_num_layers: int | None = Field(None, ge=1)
     """With ``recompute: full``: layers recomputed per stage (``None``: all of them)."""
     make_vocab_size_divisible_by: int = Field(128, ge=1)
