@@ -14,12 +14,14 @@ from harbor.models.task.config import NetworkMode
 
 from ferryman_env_harbor.contain import (
     CAPS_KEPT,
+    CgroupError,
     EgressProxy,
     MemoryLimitExceededError,
     SessionForwarder,
     egress_allowed,
     host_addresses,
     path_allowed,
+    v2_parent,
 )
 
 from .test_sandbox import make_env
@@ -247,3 +249,50 @@ def test_bad_proxy_url_is_refused_when_made(tmp_path, sandbox_dir):
         make_env(tmp_path, sandbox_dir, "FROM scratch\n", proxy_url="http://10.0.0.5:8000/sess/abc/v1")
     with pytest.raises(ValueError, match="expected http"):
         make_env(tmp_path, sandbox_dir, "FROM scratch\n", proxy_url="http://127.0.0.1:8000/v1")
+
+
+def _cgroupfs(root: Path, tree: dict[str, tuple[str, str | None]]) -> None:
+    """A directory tree laid out as a cgroup v2 mount (this machine is cgroup v1, so the choice of
+    parent is tested on files; the kernel's own cgroups run the sandbox tests). ``tree``: path ->
+    (cgroup.controllers, cgroup.subtree_control; None: a subtree_control the write fails on, as
+    the kernel's EBUSY for a cgroup holding processes)."""
+    for rel, (controllers, subtree) in tree.items():
+        d = root / rel.lstrip("/")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cgroup.controllers").write_text(controllers + "\n")
+        if subtree is None:
+            (d / "cgroup.subtree_control").mkdir()  # reads and writes fail with an OSError
+        else:
+            (d / "cgroup.subtree_control").write_text(subtree + "\n")
+
+
+NEEDED = {"memory", "pids", "cpu"}
+ALL = "cpuset cpu io memory hugetlb pids"
+
+
+def test_v2_parent_is_the_own_cgroup_when_it_hands_the_controllers_down(tmp_path):
+    _cgroupfs(tmp_path, {"/": (ALL, ALL), "/svc": (ALL, ALL), "/svc/me": (ALL, ALL)})
+    assert v2_parent(tmp_path, "/svc/me", NEEDED) == (tmp_path / "svc/me").resolve()
+
+
+def test_v2_parent_enables_what_is_missing_when_it_may(tmp_path):
+    _cgroupfs(tmp_path, {"/": (ALL, ALL), "/me": (ALL, "memory")})
+    assert v2_parent(tmp_path, "/me", NEEDED) == (tmp_path / "me").resolve()
+    assert (tmp_path / "me/cgroup.subtree_control").read_text() == "+cpu +pids"
+
+
+def test_v2_parent_goes_up_past_a_cgroup_without_the_controllers(tmp_path):
+    # the GPU machine: own cgroup /process_api/<id> has memory and io only, its parent can enable
+    # the rest for its children, the root delegates all
+    _cgroupfs(tmp_path, {"/": (ALL, ALL), "/process_api": (ALL, None), "/process_api/abc": ("memory io", None)})
+    assert v2_parent(tmp_path, "/process_api/abc", NEEDED) == tmp_path.resolve()
+    _cgroupfs(tmp_path / "b", {"/": (ALL, ALL), "/process_api": (ALL, "memory io"), "/process_api/abc": ("memory io", "")})
+    assert v2_parent(tmp_path / "b", "/process_api/abc", NEEDED) == (tmp_path / "b/process_api").resolve()
+
+
+def test_v2_parent_names_every_cgroup_tried_when_none_can(tmp_path):
+    _cgroupfs(tmp_path, {"/": ("memory io", "memory io"), "/me": ("memory io", "")})
+    with pytest.raises(CgroupError) as e:
+        v2_parent(tmp_path, "/me", NEEDED)
+    msg = str(e.value)
+    assert "lacks ['cpu', 'pids']" in msg and str((tmp_path / "me").resolve()) in msg and "enforce_limits: false" in msg

@@ -112,6 +112,40 @@ class CgroupError(RuntimeError):
     pass
 
 
+def v2_parent(root: Path, own: str, needed: set[str]) -> Path:
+    """The cgroup (v2, mounted at ``root``) under which a sandbox's cgroup gets the ``needed``
+    controllers: this process's own cgroup ``own`` if it has them or can enable them for its
+    children, else the lowest ancestor that can. A process in a leaf cgroup cannot enable
+    controllers below itself (cgroup v2 lets no cgroup but the root both hold processes and hand
+    controllers down: EBUSY), and a container's own cgroup is often given only some controllers
+    (the project's GPU machine: ``/process_api/<id>`` without ``cpu`` and ``pids``, under a root
+    that delegates all of them); the sandbox's cgroup then goes beside this process's, not
+    below it. Raises :class:`CgroupError` naming each cgroup tried and why it could not."""
+    root = root.resolve()
+    p = (root / own.lstrip("/")).resolve()
+    tried: list[str] = []
+    while True:
+        try:
+            have = set((p / "cgroup.controllers").read_text().split())
+            if not needed <= have:
+                tried.append(f"{p} lacks {sorted(needed - have)}")
+            else:
+                enabled = set((p / "cgroup.subtree_control").read_text().split())
+                if needed <= enabled:
+                    return p
+                try:
+                    (p / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in sorted(needed - enabled)))
+                    return p
+                except OSError as e:
+                    tried.append(f"{p} cannot enable {sorted(needed - enabled)} for its children ({e.strerror or e})")
+        except OSError as e:
+            tried.append(f"{p}: {e.strerror or e}")
+        if p == root or root not in p.parents:
+            raise CgroupError(f"cgroup v2: no cgroup from {own} up to the root can give a sandbox the {sorted(needed)} "
+                              f"controllers: {'; '.join(tried)} (enforce_limits: false runs without limits)")
+        p = p.parent
+
+
 class Cgroup:
     """One sandbox's cgroup(s): made with the limits written, removed by :meth:`remove`."""
 
@@ -123,14 +157,7 @@ class Cgroup:
         own = _own_cgroups()
         try:
             if self.version == 2:
-                parent = Path("/sys/fs/cgroup") / own.get("", "/").lstrip("/")
-                needed = {"memory", "pids", "cpu"}
-                have = set((parent / "cgroup.controllers").read_text().split())
-                if not needed <= have:
-                    raise CgroupError(f"cgroup v2 at {parent} lacks controllers {sorted(needed - have)}")
-                enabled = set((parent / "cgroup.subtree_control").read_text().split())
-                if not needed <= enabled:
-                    (parent / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in sorted(needed - enabled)))
+                parent = v2_parent(Path("/sys/fs/cgroup"), own.get("", "/"), {"memory", "pids", "cpu"})
                 d = parent / name
                 d.mkdir()
                 self.dirs = {"memory": d, "pids": d, "cpu": d}
