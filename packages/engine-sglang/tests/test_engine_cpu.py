@@ -549,6 +549,26 @@ async def test_invalid_prompts_are_rejected_before_sglang(model_dir, own_state, 
         await engine.shutdown()
 
 
+async def test_prompts_and_budgets_follow_sglangs_request_limits(model_dir, own_state, prompt):
+    """SGLang's scheduler aborts a prompt of max_req_input_len tokens or more (min(context - 1,
+    KV pool - 1) - 5) and clips max_new_tokens: ferryman refuses such a prompt itself and asks
+    for no more tokens than SGLang would give."""
+    engine, fake = await started(model_dir, own_state, eos_id=-1, fake={"max_total_tokens": 100})
+    try:
+        assert fake.tokenizer_manager.max_req_input_len == 94 and engine.max_prompt == 94 and engine.max_context == 512
+        with pytest.raises(ValueError, match="fewer than 94 tokens"):
+            await engine.generate("long", [5] * 94, greedy(2))
+        assert fake.generate_kwargs == []
+        out = await engine.generate("fits", [5] * 90, greedy(50))
+        assert fake.generate_kwargs[-1]["sampling_params"]["max_new_tokens"] == 4
+        assert out.stop_reason == "length" and len(out.token_ids) == 4
+        # what SGLang does with a prompt at the limit, sent past ferryman's check
+        answer = await fake.async_generate(input_ids=[5] * 94, sampling_params={"max_new_tokens": 2}, rid="direct")
+        assert answer["meta_info"]["finish_reason"]["type"] == "abort" and answer["output_ids"] == []
+    finally:
+        await engine.shutdown()
+
+
 async def test_shutdown_answers_kept_and_running_calls(model_dir, own_state, prompt):
     engine, fake = await started(model_dir, own_state, eos_id=-1, pause_mode="keep")
     running = asyncio.ensure_future(engine.generate("run", prompt, greedy(300)))

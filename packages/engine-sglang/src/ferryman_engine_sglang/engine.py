@@ -13,7 +13,8 @@ of its own, ``<12 hex digits>-<ferryman request id>``: SGLang's scheduler aborts
 whose id *starts with* the id given, and a fixed-width counter in front makes each id a prefix
 of no other.
 
-- ``generate``: checks its input (ValueError, nothing sent to SGLang), waits while paused, and
+- ``generate``: checks its input (ValueError, nothing sent to SGLang; prompts as long as
+  SGLang's ``max_req_input_len`` or longer included), waits while paused, and
   returns what SGLang answers: ``output_ids``, ``meta_info["output_token_logprobs"]``
   (``(log-prob, token id, None)`` triples), ``cached_tokens`` (radix-cache hit of the prompt),
   ``finish_reason["type"]`` (``stop``/``length``/``abort``) and, for MoE models,
@@ -130,6 +131,9 @@ class SGLangEngine:
         self._api: SGLangAPI | None = None
         self._spec: CheckpointSpec | None = None
         self.max_context: int | None = None
+        self.max_prompt: int | None = None
+        """Prompts must be shorter than this: SGLang's ``max_req_input_len``,
+        ``min(context_len - 1, KV cache pool - 1) - 5``; longer ones it aborts."""
         self.vocab_size: int | None = None
         self.tp_size = config.tensor_parallel_size
 
@@ -183,8 +187,16 @@ class SGLangEngine:
         tm = self._sgl.tokenizer_manager
         context = getattr(tm, "context_len", None)
         self.max_context = int(context) if context else self._spec.max_position_embeddings
+        # the scheduler's limits (set on the tokenizer manager once it is ready): it aborts a
+        # prompt of max_req_input_len tokens or more and clips max_new_tokens to
+        # max_req_len - len(prompt) - 1, where max_req_len = max_req_input_len + 5
+        limit = getattr(tm, "max_req_input_len", None)
+        self.max_prompt = int(limit) if limit else self.max_context - 6
         self._started = True
-        log.info("SGLang engine %s started (sglang %s, context %s)", self.replica, self._api.version, self.max_context)
+        log.info(
+            "SGLang engine %s started (sglang %s, context %s, prompts < %s tokens)",
+            self.replica, self._api.version, self.max_context, self.max_prompt,
+        )
 
     async def shutdown(self) -> None:
         """Answer every outstanding call as aborted and stop SGLang (its processes)."""
@@ -212,8 +224,10 @@ class SGLangEngine:
             raise RuntimeError("SGLangEngine.generate: call `await engine.start()` first")
         await self._wait_resumed()
         budget = params.max_tokens
-        if self.max_context is not None:
-            budget = min(budget, self.max_context - len(prompt_ids))
+        if self.max_prompt is not None:
+            # within SGLang's clip (max_req_len - len - 1 = max_prompt + 4 - len), and small
+            # enough that a keep-mode resubmission (prompt + tokens so far) is a prompt it takes
+            budget = min(budget, self.max_prompt - len(prompt_ids))
         sink = safe_sink(on_tokens, f"sglang engine {self.replica}") if on_tokens is not None else None
         req = _Request(request_id, [int(t) for t in prompt_ids], params, budget, sink)
         self._num_requests += 1
@@ -265,6 +279,12 @@ class SGLangEngine:
         check_generate_request(
             "SGLangEngine.generate", prompt_ids, params, vocab_size=self.vocab_size, max_context=self.max_context
         )
+        if self.max_prompt is not None and len(prompt_ids) >= self.max_prompt:
+            raise ValueError(
+                f"SGLangEngine.generate: prompt of {len(prompt_ids)} tokens is too long for SGLang, which takes "
+                f"prompts of fewer than {self.max_prompt} tokens (its max_req_input_len: the context of "
+                f"{self.max_context} positions and the KV cache pool, less 6)"
+            )
         bad_stop = [t for t in params.stop_token_ids if int(t) < 0]
         if bad_stop:
             raise ValueError(f"SGLangEngine.generate: negative stop token ids {bad_stop[:5]}")

@@ -6,7 +6,7 @@ with the part of its interface that ferryman uses: ``async_generate`` (SGLang's 
 arguments; unknown ones are a TypeError, unknown sampling-parameter keys too), and a
 ``tokenizer_manager`` with ``abort_request``, ``pause_generation``, ``continue_generation``,
 ``flush_cache``, ``update_weights_from_tensor``, ``release_memory_occupation``,
-``resume_memory_occupation`` and ``context_len``; :data:`FAKE_IO` holds request objects with
+``resume_memory_occupation``, ``context_len`` and ``max_req_input_len``; :data:`FAKE_IO` holds request objects with
 the fields of SGLang's ``io_struct`` classes. It answers the way SGLang 0.5.11-0.5.17 does
 where the engine depends on it, including the awkward parts:
 
@@ -18,6 +18,9 @@ where the engine depends on it, including the awkward parts:
   pseudo-model whose scores depend on the loaded weights and the last tokens; log-probs are
   those of the temperature-scaled scores before top-k/top-p, raw scores at temperature 0;
   stop tokens (and EOS) are included; ``max_new_tokens`` ends a request with ``length``;
+* the scheduler's length limits: ``max_req_len = min(context_len - 1, max_total_tokens - 1)``,
+  ``max_req_input_len = max_req_len - 5``; a prompt of ``max_req_input_len`` tokens or more is
+  answered with an abort, ``max_new_tokens`` is clipped to ``max_req_len - len(prompt) - 1``;
 * a radix cache at token granularity: ``cached_tokens`` is the longest cached prefix of the
   input (never the whole input); finished and aborted requests are inserted;
 * requests reach the scheduler ``admit_delay_s`` after ``async_generate`` (tokenizing); an
@@ -132,6 +135,7 @@ class FakeTokenizerManager:
     def __init__(self, engine: FakeSGLangEngine) -> None:
         self._e = engine
         self.context_len = engine.context_len
+        self.max_req_input_len = engine.max_req_len - 5
         self.rid_to_state: dict[str, _Req] = {}
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
@@ -225,6 +229,7 @@ class FakeSGLangEngine:
         initial_weights: dict[str, float],
         eos_id: int = 2,
         context_len: int = 512,
+        max_total_tokens: int = 65536,
         step_delay_s: float = 0.002,
         admit_delay_s: float = 0.001,
         num_layers: int = 2,
@@ -238,6 +243,9 @@ class FakeSGLangEngine:
         """Parameter name to checksum (sum of the tensor) of what was loaded."""
         self.eos_id = eos_id
         self.context_len = context_len
+        self.max_total_tokens = max_total_tokens
+        """Size of the KV cache pool in tokens."""
+        self.max_req_len = min(context_len - 1, max_total_tokens - 1)
         self.step_delay_s = step_delay_s
         self.admit_delay_s = admit_delay_s
         self.num_layers = num_layers
@@ -509,7 +517,15 @@ class FakeSGLangEngine:
                 return
             self._check_alive()
             req.in_scheduler = True
-            self.waiting.append(req)
+            # the scheduler's handle_generate_request: clip max_new_tokens, refuse long prompts
+            room = self.max_req_len - len(req.input_ids) - 1
+            req.sp["max_new_tokens"] = max(0, min(int(req.sp.get("max_new_tokens", 128)), room))
+            limit = self.tokenizer_manager.max_req_input_len
+            if len(req.input_ids) >= limit:
+                message = f"Input length ({len(req.input_ids)} tokens) exceeds the maximum allowed length ({limit} tokens)."
+                self._answer(req, {"type": "abort", "message": message, "status_code": 400, "err_type": "BadRequestError"})
+            else:
+                self.waiting.append(req)
             self._wake()
             last = None
             while True:
