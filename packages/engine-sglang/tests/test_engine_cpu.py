@@ -21,6 +21,7 @@ from ferryman.types import SamplingParams  # noqa: E402
 from ferryman_engine_sglang.api import EXTRA_HINT, check_version  # noqa: E402
 from ferryman_engine_sglang.config import SGLangEngineConfig  # noqa: E402
 from ferryman_engine_sglang.engine import SGLangEngine, _Request, make_sglang_engine  # noqa: E402
+from ferryman_engine_sglang import engine as ENGINE  # noqa: E402
 from ferryman_engine_sglang.testing import FakeSGLangEngine  # noqa: E402
 from ferryman.engine_checks import check_bucket, read_checkpoint_spec  # noqa: E402
 
@@ -357,8 +358,8 @@ async def test_keep_mode_continues_in_the_same_call_with_new_weights(model_dir, 
         # the tokens after the update are the new weights' greedy continuation of that context
         fresh = await engine.generate("fresh", prompt + out.token_ids[:k], greedy(40 - k))
         assert fresh.token_ids == out.token_ids[k:]
-        assert [c[0] for c in fake.calls if c[0] in ("release_memory_occupation", "flush_cache")][:2] == [
-            "release_memory_occupation", "flush_cache"
+        assert [c[0] for c in fake.calls if c[0] in ("release_memory_occupation", "flush_cache")][:3] == [
+            "flush_cache", "release_memory_occupation", "flush_cache"
         ]
         assert fake.crashed is None and (await engine.stats())["num_aborted"] == 0
     finally:
@@ -434,10 +435,60 @@ async def test_release_and_resume_kv_cache_in_order(model_dir, own_state, prompt
         after = await engine.generate("b", prompt, greedy(8))
         assert after.token_ids == before.token_ids and after.versions == [1] * len(after.token_ids)
         kinds = [c for c in fake.calls if c[0] in ("release_memory_occupation", "resume_memory_occupation", "update_weights_from_tensor", "flush_cache")]
-        assert kinds[0] == ("release_memory_occupation", ["kv_cache"])
-        assert [k[0] for k in kinds[1:3]] == ["update_weights_from_tensor"] * 2 and kinds[1][2] is False
-        assert kinds[3] == ("flush_cache", True) and kinds[4] == ("resume_memory_occupation", ["kv_cache"])
-        assert fake.crashed is None
+        assert kinds[0] == ("flush_cache", True) and kinds[1] == ("release_memory_occupation", ["kv_cache"])
+        assert [k[0] for k in kinds[2:4]] == ["update_weights_from_tensor"] * 2 and kinds[2][2] is False
+        assert kinds[4] == ("flush_cache", True) and kinds[5] == ("resume_memory_occupation", ["kv_cache"])
+        assert fake.flush_timeouts == [ENGINE.FLUSH_WAIT_S] * 2 and fake.crashed is None
+    finally:
+        await engine.shutdown()
+
+
+async def test_flushes_wait_until_sglang_is_idle(model_dir, own_state, prompt):
+    """SGLang flushes only when its scheduler is fully idle, a moment after its last answer:
+    right after an abort an immediate flush is refused; ferryman's waiting flush (0.5.17's
+    flush_cache(timeout_s=...)) succeeds, and the release that SGLang asserts idleness for
+    comes after it."""
+    engine, fake = await started(model_dir, own_state, eos_id=-1, fake={"idle_lag_s": 0.05})
+    try:
+        task = asyncio.ensure_future(engine.generate("busy", prompt, greedy(200)))
+        await _wait_tokens(fake, 5)
+        await engine.pause(abort=True)
+        assert (await task).stop_reason == "aborted" and not fake.idle()
+        assert (await fake.tokenizer_manager.flush_cache()).success is False  # what an immediate flush gets
+        await engine.release_kv_cache()
+        assert fake.flush_timeouts == [None, ENGINE.FLUSH_WAIT_S] and fake.calls[-2:] == [
+            ("flush_cache", True), ("release_memory_occupation", ["kv_cache"])
+        ]
+        await engine.load_weights(own_state)
+        await engine.set_version(1)
+        await engine.resume_kv_cache()
+        await engine.resume()
+        assert (await engine.stats())["flushes_refused"] == 0 and fake.crashed is None
+    finally:
+        await engine.shutdown()
+
+
+async def test_release_is_refused_when_sglang_does_not_become_idle(model_dir, own_state, prompt, monkeypatch):
+    """A request in SGLang that this engine does not know of (another client of the same
+    Engine) keeps its scheduler busy: the waiting flush times out and release_kv_cache raises
+    instead of sending a release that SGLang's assertion would answer by ending its scheduler."""
+    monkeypatch.setattr(ENGINE, "FLUSH_WAIT_S", 0.05)
+    engine, fake = await started(model_dir, own_state, eos_id=-1)
+    try:
+        other = asyncio.ensure_future(
+            fake.async_generate(input_ids=prompt, sampling_params={"max_new_tokens": 400}, rid="other-client")
+        )
+        while not fake.running:
+            await asyncio.sleep(0.002)
+        await engine.pause(abort=True)
+        with pytest.raises(RuntimeError, match="not released"):
+            await engine.release_kv_cache()
+        assert fake.flush_timeouts == [0.05] and ("flush_cache", False) in fake.calls
+        assert not [c for c in fake.calls if c[0] == "release_memory_occupation"] and fake.crashed is None
+        assert (await engine.stats())["kv_released"] == 0.0
+        fake.tokenizer_manager.abort_request(rid="other-client")
+        await other
+        await engine.resume()
     finally:
         await engine.shutdown()
 

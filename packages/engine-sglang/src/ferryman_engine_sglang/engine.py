@@ -28,17 +28,22 @@ of no other.
   ``pause_generation(mode="in_place")``. ``pause(abort=False)`` waits until in-flight requests
   finish. New calls wait for ``resume()``.
 - ``release_kv_cache`` / ``resume_kv_cache``: SGLang's ``release_memory_occupation`` /
-  ``resume_memory_occupation`` with the ``kv_cache`` tag (and ``weights`` in colocated mode).
+  ``resume_memory_occupation`` with the ``kv_cache`` tag (and ``weights`` in colocated mode),
+  the release only after a radix-cache flush has succeeded (SGLang asserts that its scheduler
+  is idle there, and a failed assertion ends the scheduler process).
 - ``load_weights``: checked against the checkpoint's names and shapes first, then handed to
   SGLang's ``update_weights_from_tensor`` (one serialized copy per tensor-parallel rank; CUDA
   tensors cross as CUDA IPC handles) without a cache flush; ``set_version`` flushes the radix
-  cache once after the last bucket.
+  cache once after the last bucket. Flushes wait (up to ``FLUSH_WAIT_S``) for SGLang's
+  scheduler to be idle, which a flush needs, except while ``in_place`` keeps requests in it:
+  then the flush is immediate (it is refused) and retried when SGLang is next idle.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import logging
 import time
@@ -62,6 +67,9 @@ ABORT_RETRY_S = 0.05
 """How often ``pause(abort=True)`` repeats the aborts SGLang has not confirmed yet."""
 ABORT_GRACE_S = 30.0
 """How long ``pause(abort=True)`` waits for SGLang to confirm aborts before answering itself."""
+FLUSH_WAIT_S = 10.0
+"""How long a waiting radix-cache flush (``flush_cache(timeout_s=...)``, SGLang 0.5.17) waits
+for SGLang's scheduler to be fully idle (a flush succeeds only then)."""
 
 
 def make_sglang_engine(
@@ -165,6 +173,9 @@ class SGLangEngine:
         self._tensors_loaded = 0
         self._load_seconds = 0.0
         self._flushes_refused = 0
+        self._flush_waits = False
+        """SGLang's ``flush_cache`` takes ``timeout_s`` (0.5.17; earlier ones flush at once or refuse)."""
+        self._flushing = False
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -192,6 +203,8 @@ class SGLangEngine:
         # max_req_len - len(prompt) - 1, where max_req_len = max_req_input_len + 5
         limit = getattr(tm, "max_req_input_len", None)
         self.max_prompt = int(limit) if limit else self.max_context - 6
+        with contextlib.suppress(TypeError, ValueError):
+            self._flush_waits = "timeout_s" in inspect.signature(tm.flush_cache).parameters
         self._started = True
         log.info(
             "SGLang engine %s started (sglang %s, context %s, prompts < %s tokens)",
@@ -461,8 +474,14 @@ class SGLangEngine:
             task.add_done_callback(self._background.discard)
 
     async def _retry_flush(self) -> None:
-        if self._cache_stale and not self._active and await self._flush():
-            self._cache_stale = False
+        if self._flushing or not self._cache_stale or self._active:
+            return
+        self._flushing = True  # one flush at a time: SGLang refuses a second while one waits
+        try:
+            if await self._flush(wait=not self._frozen):
+                self._cache_stale = False
+        finally:
+            self._flushing = False
 
     # ------------------------------------------------------------------ control
     async def pause(self, abort: bool) -> None:
@@ -521,8 +540,15 @@ class SGLangEngine:
             log.info("SGLang engine %s keeps its KV cache: %d requests are paused in it", self.replica, len(self._active))
             return
         if not self.config.memory_saver:
-            await self._flush()
+            await self._flush(wait=True)
             return
+        # SGLang asserts that its scheduler is fully idle before it releases memory (a failed
+        # assertion ends the scheduler process): a flush succeeds only then, so it goes first
+        if not await self._flush(wait=True):
+            raise RuntimeError(
+                f"SGLang engine {self.replica}: KV cache not released: SGLang's scheduler did not become idle "
+                f"(its cache flush was refused{f' for {FLUSH_WAIT_S:g} s' if self._flush_waits else ''})"
+            )
         tags = ["kv_cache", "weights"] if self.config.release_weights else ["kv_cache"]
         await self._tm.release_memory_occupation(self._io.ReleaseMemoryOccupationReqInput(tags=tags), None)
         self._kv_released = True
@@ -567,18 +593,24 @@ class SGLangEngine:
 
     async def set_version(self, version: int) -> None:
         """Finish a weight update: the radix cache (KV computed with the old weights) is
-        flushed; tokens generated from now on carry ``version``."""
+        flushed (waiting for SGLang to be idle; immediate while ``in_place`` keeps requests,
+        then retried when idle); tokens generated from now on carry ``version``."""
         self._require_started("set_version")
         if self._weights_dirty:
-            if not await self._flush():
+            if not await self._flush(wait=not self._frozen):
                 # in_place: the paused requests hold KV; flushed when SGLang is next idle
                 self._cache_stale = True
                 log.warning("SGLang engine %s could not flush its radix cache (requests in it); retrying when idle", self.replica)
             self._weights_dirty = False
         self._version = int(version)
 
-    async def _flush(self) -> bool:
-        out = await self._tm.flush_cache()
+    async def _flush(self, *, wait: bool) -> bool:
+        """Flush SGLang's radix cache; ``wait``: let SGLang wait up to ``FLUSH_WAIT_S`` for its
+        scheduler to be idle first (immediate on SGLang releases without that)."""
+        if wait and self._flush_waits:
+            out = await self._tm.flush_cache(timeout_s=FLUSH_WAIT_S)
+        else:
+            out = await self._tm.flush_cache()
         ok = bool(getattr(out, "success", out))
         if not ok:
             self._flushes_refused += 1

@@ -5,7 +5,7 @@ SGLang cannot run here (CPU-only CI), so :class:`FakeSGLangEngine` stands in for
 with the part of its interface that ferryman uses: ``async_generate`` (SGLang's keyword
 arguments; unknown ones are a TypeError, unknown sampling-parameter keys too), and a
 ``tokenizer_manager`` with ``abort_request``, ``pause_generation``, ``continue_generation``,
-``flush_cache``, ``update_weights_from_tensor``, ``release_memory_occupation``,
+``flush_cache`` (with 0.5.17's ``timeout_s``: wait for the scheduler to be idle), ``update_weights_from_tensor``, ``release_memory_occupation``,
 ``resume_memory_occupation``, ``context_len`` and ``max_req_input_len``; :data:`FAKE_IO` holds request objects with
 the fields of SGLang's ``io_struct`` classes. It answers the way SGLang 0.5.11-0.5.17 does
 where the engine depends on it, including the awkward parts:
@@ -30,7 +30,7 @@ where the engine depends on it, including the awkward parts:
   aborted runs one more step; a waiting one is answered at once with no tokens;
 * the scheduler's assertions end it (``crashed``; every later call fails): a cache flush
   requested with a weight load while requests are in it, releasing memory while it is not
-  idle, loading weights into released weight memory, stepping with released memory, a
+  fully idle (``idle_lag_s`` after its last step, as SGLang's ``is_fully_idle``), loading weights into released weight memory, stepping with released memory, a
   weight name the model does not know.
 
 The GPU tests run the same engine over real SGLang.
@@ -137,6 +137,7 @@ class FakeTokenizerManager:
         self.context_len = engine.context_len
         self.max_req_input_len = engine.max_req_len - 5
         self.rid_to_state: dict[str, _Req] = {}
+        self._flush_pending = False
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         self._e.calls.append(("abort_request", rid, abort_all))
@@ -162,9 +163,23 @@ class FakeTokenizerManager:
         self._e._send(lambda: setattr(self._e, "engine_paused", False))
         self._e._wake()
 
-    async def flush_cache(self) -> Any:
+    async def flush_cache(self, timeout_s: float | None = None) -> Any:
         e = self._e
         e._check_alive()
+        e.flush_timeouts.append(timeout_s)
+        if self._flush_pending:
+            e.calls.append(("flush_cache", False))
+            return SimpleNamespace(success=False, message="Another flush_cache is already in progress.")
+        if timeout_s and timeout_s > 0 and not e.idle():  # 0.5.17's deferred flush
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + float(timeout_s)
+            self._flush_pending = True
+            try:
+                while not e.idle() and loop.time() < deadline:
+                    await asyncio.sleep(0.001)
+                    e._check_alive()
+            finally:
+                self._flush_pending = False
         ok = e.idle()
         e.calls.append(("flush_cache", ok))
         if ok:
@@ -235,6 +250,7 @@ class FakeSGLangEngine:
         num_layers: int = 2,
         experts_per_token: int = 2,
         abort_semantics: str = "0.5.11",
+        idle_lag_s: float = 0.0,
     ) -> None:
         self.server_args = dict(server_args)
         self.tp_size = int(server_args.get("tp_size", 1))
@@ -254,9 +270,15 @@ class FakeSGLangEngine:
         """``0.5.11``: an abort that reaches the scheduler before its request is lost.
         ``0.5.17``: the tokenizer manager marks the request and ends it with an error before
         sending it on (``RequestAbortedError``)."""
+        self.idle_lag_s = idle_lag_s
+        """The scheduler is fully idle only this long after its last step (SGLang: its last
+        batch and the overlap scheduler's result queue are cleared a loop iteration later)."""
+        self._busy_until = 0.0
         self.tokenizer_manager = FakeTokenizerManager(self)
         self.calls: list[tuple[Any, ...]] = []
         """Control calls in order: ("abort_request", rid, abort_all), ("flush_cache", ok), ..."""
+        self.flush_timeouts: list[float | None] = []
+        """The ``timeout_s`` of every ``flush_cache`` call."""
         self.generate_kwargs: list[dict[str, Any]] = []
         """The keyword arguments of every ``async_generate`` call."""
         self.prefix_aborted: list[tuple[str, str]] = []
@@ -351,7 +373,9 @@ class FakeSGLangEngine:
         raise SchedulerCrashed(f"fake SGLang scheduler: {why}")
 
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        if self.waiting or self.running:
+            return False
+        return self._task is None or asyncio.get_running_loop().time() >= self._busy_until
 
     def _match(self, ids: list[int]) -> int:
         best = 0
@@ -421,6 +445,7 @@ class FakeSGLangEngine:
                     self._crash(f"stepped with released memory {sorted(self.released)}")
                 continue
             self.steps += 1
+            self._busy_until = asyncio.get_running_loop().time() + self.idle_lag_s
             for req in self.waiting:  # prefill
                 req.cached = self._match(req.input_ids)
                 req.running = True
