@@ -405,6 +405,34 @@ async def test_in_place_mode_keeps_requests_and_flushes_when_idle(model_dir, own
         await engine.shutdown()
 
 
+async def test_in_place_pause_releases_nothing_until_resume(model_dir, own_state, prompt):
+    """While SGLang is paused in place its scheduler is not idle, even once the last request
+    ferryman had in it has answered (one that ended in the step the pause arrived in):
+    release_kv_cache releases nothing until resume()."""
+    engine, fake = await started(model_dir, own_state, eos_id=-1, pause_mode="in_place")
+    try:
+        task = asyncio.ensure_future(engine.generate("last-step", prompt, greedy(40)))
+        await _wait_tokens(fake, 5)
+        await engine.pause(abort=True)
+        await asyncio.sleep(0.01)
+        (req,) = fake.running  # SGLang answers it as finished (its last step ran with the pause)
+        fake.running.remove(req)
+        fake._answer(req, {"type": "length", "length": len(req.output)})
+        out = await asyncio.wait_for(task, 10)
+        assert out.stop_reason == "length" and (await engine.stats())["in_sglang"] == 0
+        await engine.release_kv_cache()
+        assert not [c for c in fake.calls if c[0] in ("release_memory_occupation", "flush_cache")]
+        assert (await engine.stats())["kv_released"] == 0.0
+        await engine.resume()
+        await engine.pause(abort=True)
+        await engine.release_kv_cache()  # not paused in place now: released
+        assert (await engine.stats())["kv_released"] == 1.0 and fake.crashed is None
+        await engine.resume_kv_cache()
+        await engine.resume()
+    finally:
+        await engine.shutdown()
+
+
 async def test_cancelled_call_is_aborted_in_sglang(model_dir, own_state, prompt):
     engine, fake = await started(model_dir, own_state, eos_id=-1)
     try:

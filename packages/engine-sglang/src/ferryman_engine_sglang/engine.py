@@ -465,7 +465,7 @@ class SGLangEngine:
             self._drained.set()
 
     def _after_piece(self) -> None:
-        if self._active:
+        if self._active or self._frozen:
             return
         if self._cache_stale and not self._closed and not self._frozen:
             # in_place kept requests through a weight load: flush at the first idle moment
@@ -532,12 +532,15 @@ class SGLangEngine:
     async def release_kv_cache(self) -> None:
         """Free SGLang's KV cache (and, with ``release_weights``, the weights) until
         :meth:`resume_kv_cache`. SGLang asserts that its scheduler is idle here: while requests
-        are kept by an ``in_place`` pause, nothing is released."""
+        are kept by an ``in_place`` pause (until ``resume()``, even when none of ferryman's is
+        left in SGLang), nothing is released."""
         self._require_started("release_kv_cache")
         if self._kv_released:
             return
-        if self._active:
-            log.info("SGLang engine %s keeps its KV cache: %d requests are paused in it", self.replica, len(self._active))
+        if self._active or self._frozen:
+            log.info(
+                "SGLang engine %s keeps its KV cache: paused in place with %d requests in it", self.replica, len(self._active)
+            )
             return
         if not self.config.memory_saver:
             await self._flush(wait=True)
