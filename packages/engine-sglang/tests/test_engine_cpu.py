@@ -658,6 +658,39 @@ async def test_shutdown_answers_kept_and_running_calls(model_dir, own_state, pro
     assert out.stop_reason == "aborted" and len(out.token_ids) >= 5 and fake.shut_down
 
 
+async def test_starting_sglang_keeps_the_root_logger(model_dir, own_state):
+    """SGLang's start runs logging.basicConfig(force=True) in this process (the fake too): the
+    root logger's handlers (not closed) and level are as before; SGLang's own level is on the
+    ``sglang`` logger."""
+    import logging
+
+    class Kept(logging.Handler):
+        closed = False
+
+        def emit(self, record):
+            self.last = record.getMessage()
+
+        def close(self):
+            self.closed = True
+            super().close()
+
+    root, mine = logging.getLogger(), Kept()
+    handlers, level, sglang_level = list(root.handlers), root.level, logging.getLogger("sglang").level
+    root.addHandler(mine)
+    root.setLevel(logging.INFO)
+    try:
+        engine, _ = await started(model_dir, own_state, log_level="error")
+        assert root.handlers == handlers + [mine] and root.level == logging.INFO and not mine.closed
+        assert logging.getLogger("sglang").level == logging.ERROR
+        logging.getLogger("ferryman.somewhere").info("still here")
+        assert mine.last == "still here"
+        await engine.shutdown()
+    finally:
+        root.removeHandler(mine)
+        root.setLevel(level)
+        logging.getLogger("sglang").setLevel(sglang_level)
+
+
 def test_engine_requires_start():
     engine = SGLangEngine(SGLangEngineConfig(), model_path="/nowhere")
     with pytest.raises(RuntimeError, match="start"):

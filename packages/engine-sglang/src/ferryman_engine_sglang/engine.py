@@ -194,7 +194,8 @@ class SGLangEngine:
         # built on the event loop's thread, which blocks while SGLang starts its scheduler
         # processes (once): SGLang's Engine takes the running loop as its own and registers its
         # signal handlers only on the main thread, so it is not built in a worker thread
-        self._sgl, self._api = self._factory(kwargs)
+        with _root_logging_kept(self.config.log_level):
+            self._sgl, self._api = self._factory(kwargs)
         tm = self._sgl.tokenizer_manager
         context = getattr(tm, "context_len", None)
         self.max_context = int(context) if context else self._spec.max_position_embeddings
@@ -658,6 +659,29 @@ class SGLangEngine:
     def _require_started(self, what: str) -> None:
         if not self._started or self._closed:
             raise RuntimeError(f"SGLangEngine.{what}: call `await engine.start()` first")
+
+
+@contextlib.contextmanager
+def _root_logging_kept(sglang_level: str) -> Any:
+    """Keep this process's root logger through SGLang's start: its ``configure_logger`` runs
+    ``logging.basicConfig(force=True)`` here, which closes and replaces the root handlers and
+    sets the root level to SGLang's ``log_level``. The handlers are taken off the root logger
+    meanwhile (so they are not closed), put back with the level after, and SGLang's loggers in
+    this process get its level on the ``sglang`` logger instead."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    for handler in handlers:
+        root.removeHandler(handler)
+    try:
+        yield
+    finally:
+        for handler in list(root.handlers):  # SGLang's
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
+        with contextlib.suppress(ValueError, TypeError):
+            logging.getLogger("sglang").setLevel(sglang_level.upper())
 
 
 def _swallow(task: asyncio.Task[Any]) -> None:

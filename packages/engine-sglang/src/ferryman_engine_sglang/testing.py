@@ -33,6 +33,9 @@ where the engine depends on it, including the awkward parts:
   fully idle (``idle_lag_s`` after its last step, as SGLang's ``is_fully_idle``), loading weights into released weight memory, stepping with released memory, a
   weight name the model does not know.
 
+Constructing it configures logging as SGLang's ``Engine`` does in the calling process:
+``logging.basicConfig(force=True)`` at the ``log_level`` server argument.
+
 The GPU tests run the same engine over real SGLang.
 """
 
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import pickle
 import random
@@ -252,6 +256,10 @@ class FakeSGLangEngine:
         abort_semantics: str = "0.5.11",
         idle_lag_s: float = 0.0,
     ) -> None:
+        # as SGLang's Engine does in the calling process (configure_logger)
+        logging.basicConfig(
+            level=getattr(logging, str(server_args.get("log_level", "info")).upper()), format="[%(asctime)s] %(message)s", force=True
+        )
         self.server_args = dict(server_args)
         self.tp_size = int(server_args.get("tp_size", 1))
         self.vocab_size = vocab_size
