@@ -691,6 +691,33 @@ async def test_starting_sglang_keeps_the_root_logger(model_dir, own_state):
         logging.getLogger("sglang").setLevel(sglang_level)
 
 
+async def test_shutdown_kills_only_sglangs_own_processes(model_dir, own_state, prompt):
+    """sglang.Engine.shutdown SIGKILLs every child of this process (the fake's shutdown too);
+    the engine stops only the processes its SGLang started, with their children: another
+    replica's scheduler, a child of this process started elsewhere, lives on."""
+    import subprocess
+
+    from ferryman_engine_sglang.engine import _process_tree, _running
+
+    sibling = subprocess.Popen(["sleep", "60"])
+    (engine, fake), (other, other_fake) = [await started(model_dir, own_state) for _ in range(2)]
+    try:
+        await engine.generate("x", prompt, greedy(3))
+        own = _process_tree(fake.get_all_child_pids())
+        assert len(own) == 2 and all(_running(p) for p in own)  # the "scheduler" and its child
+        await engine.shutdown()
+        assert not any(_running(p) for p in own) and fake.shut_down
+        assert fake.tokenizer_manager._subprocess_watchdog.stopped
+        assert sibling.poll() is None and not other_fake.shut_down
+        assert (await other.generate("y", prompt, greedy(3))).stop_reason in ("stop", "length")
+        other_fake.shutdown()  # what SGLang's own shutdown does: the sibling is killed too
+        assert sibling.wait(5) == -9
+    finally:
+        sibling.kill()
+        sibling.wait()
+        await other.shutdown()
+
+
 def test_engine_requires_start():
     engine = SGLangEngine(SGLangEngineConfig(), model_path="/nowhere")
     with pytest.raises(RuntimeError, match="start"):

@@ -42,10 +42,13 @@ of no other.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import inspect
 import itertools
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -213,7 +216,8 @@ class SGLangEngine:
         )
 
     async def shutdown(self) -> None:
-        """Answer every outstanding call as aborted and stop SGLang (its processes)."""
+        """Answer every outstanding call as aborted and stop SGLang: this replica's SGLang
+        processes only (``sglang.Engine.shutdown`` would kill every child of this process)."""
         if self._closed:
             return
         self._closed = True
@@ -225,8 +229,10 @@ class SGLangEngine:
                 req.task.cancel()
         if self._sgl is not None:
             sgl, self._sgl = self._sgl, None
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(sgl.shutdown)
+            try:
+                await asyncio.to_thread(_stop_sglang, sgl)
+            except Exception:
+                log.exception("SGLang engine %s: stopping SGLang failed", self.replica)
 
     # ------------------------------------------------------------------ generation
     async def generate(
@@ -659,6 +665,84 @@ class SGLangEngine:
     def _require_started(self, what: str) -> None:
         if not self._started or self._closed:
             raise RuntimeError(f"SGLangEngine.{what}: call `await engine.start()` first")
+
+
+STOP_WAIT_S = 60.0
+"""How long :func:`_stop_sglang` waits for SGLang's killed processes to be gone (SGLang: 60 s)."""
+
+
+def _stop_sglang(sgl: Any) -> None:
+    """What ``sglang.Engine.shutdown`` (0.5.17) does, its processes only. Its last step,
+    ``kill_process_tree(os.getpid(), include_parent=False)``, SIGKILLs every child of this
+    process: other replicas' SGLang schedulers, vLLM engine cores. Here: stop its subprocess
+    watchdog (which would otherwise answer the deaths below with SIGQUIT to this process),
+    close its RPC socket, stop its weight-cache daemons (SIGTERM first, as it does), then
+    SIGKILL the processes it started (``get_all_child_pids``: schedulers, data-parallel
+    controller, detokenizer) with their descendants, wait until they are gone, and drop the
+    ``atexit`` hook that would run ``Engine.shutdown`` at exit. An SGLang without
+    ``get_all_child_pids`` gets its own ``shutdown``."""
+    child_pids = getattr(sgl, "get_all_child_pids", None)
+    if child_pids is None:
+        log.warning("this SGLang cannot name its own processes: its shutdown kills every child of this process")
+        sgl.shutdown()
+        return
+    watchdog = getattr(getattr(sgl, "tokenizer_manager", None), "_subprocess_watchdog", None)
+    if watchdog is not None:
+        watchdog.stop()
+    rpc = getattr(sgl, "send_to_rpc", None)
+    if rpc is not None:
+        rpc.close(linger=0)
+        sgl.send_to_rpc = None
+    daemons = getattr(sgl, "_weight_cache_daemon_procs", None)
+    if daemons:
+        sgl._terminate_weight_cache_daemons(daemons)
+        sgl._weight_cache_daemon_procs = []
+    pids = _process_tree([int(p) for p in child_pids()])
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while True:
+        left = [pid for pid in pids if _running(pid)]
+        if not left:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"SGLang's processes {left} still there {STOP_WAIT_S:g} s after SIGKILL")
+        time.sleep(0.05)
+    atexit.unregister(sgl.shutdown)
+
+
+def _process_tree(pids: list[int]) -> list[int]:
+    """``pids`` and all their descendants (from ``/proc``; SGLang runs on Linux only)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat is not None:
+                children.setdefault(int(stat[1]), []).append(int(entry))
+    out: list[int] = []
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out.append(pid)
+            todo.extend(children.get(pid, []))
+    return out
+
+
+def _stat(pid: int) -> list[str] | None:
+    """State, parent pid, ... of ``/proc/PID/stat`` (after the command's name); None: gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _running(pid: int) -> bool:
+    """Not gone and not a zombie (a zombie holds no memory; its parent reaps it)."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
 
 
 @contextlib.contextmanager

@@ -33,6 +33,11 @@ where the engine depends on it, including the awkward parts:
   fully idle (``idle_lag_s`` after its last step, as SGLang's ``is_fully_idle``), loading weights into released weight memory, stepping with released memory, a
   weight name the model does not know.
 
+Its scheduler is a task of this process, but it starts one real child process (with a child
+of its own) to stand for SGLang's scheduler processes: ``get_all_child_pids`` names it, the
+fake scheduler ends (every later call fails) once it is killed, and ``shutdown`` does what
+SGLang's does: SIGKILL every descendant of the calling process, its own or not.
+
 Constructing it configures logging as SGLang's ``Engine`` does in the calling process:
 ``logging.basicConfig(force=True)`` at the ``log_level`` server argument.
 
@@ -45,8 +50,11 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import pickle
 import random
+import signal
+import subprocess
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -237,6 +245,15 @@ class FakeTokenizerManager:
             e.released.discard(tag)
 
 
+class FakeWatchdog:
+    """Stands in for SGLang's ``SubprocessWatchdog`` (``stop()`` only)."""
+
+    stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
 class FakeSGLangEngine:
     """Test double for ``sglang.Engine`` (see the module docstring)."""
 
@@ -302,6 +319,13 @@ class FakeSGLangEngine:
         self.shut_down = False
         self._task: asyncio.Task[None] | None = None
         self._work: asyncio.Event | None = None
+        # its "scheduler process", with a child of its own (ends with this process: stdin EOF)
+        self._procs = [
+            subprocess.Popen(
+                ["sh", "-c", "exec 3<&0; cat <&3 & wait"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+        ]
+        self.tokenizer_manager._subprocess_watchdog = FakeWatchdog()
         self._unpaused: asyncio.Event | None = None
 
     @classmethod
@@ -369,6 +393,8 @@ class FakeSGLangEngine:
         self._wake()
 
     def _check_alive(self) -> None:
+        if self.shut_down:
+            raise SchedulerCrashed("fake SGLang scheduler process is gone")
         if self.crashed is not None:
             raise SchedulerCrashed(f"fake SGLang scheduler is dead: {self.crashed}")
 
@@ -441,9 +467,12 @@ class FakeSGLangEngine:
     async def _run(self) -> None:
         assert self._work is not None
         while True:
+            if self._scheduler_gone():
+                return
             if self.crashed or self.engine_paused or not (self.waiting or self.running):
                 self._work.clear()
-                await self._work.wait()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._work.wait(), 0.05)
                 continue
             await asyncio.sleep(self.step_delay_s)
             if self.crashed or self.engine_paused:
@@ -575,7 +604,32 @@ class FakeSGLangEngine:
         finally:
             self.tokenizer_manager.rid_to_state.pop(req.rid, None)
 
+    def _scheduler_gone(self) -> bool:
+        """Its scheduler process was killed: the fake scheduler ends (within 50 ms)."""
+        if all(p.poll() is None for p in self._procs):
+            return False
+        self.shut_down = True
+        for req in self.waiting + self.running:
+            req.finished = True
+            req.queue.put_nowait(None)
+        self.waiting, self.running = [], []
+        return True
+
+    def get_all_child_pids(self) -> list[int]:
+        """The processes it started (``sglang.Engine.get_all_child_pids``)."""
+        return [p.pid for p in self._procs]
+
     def shutdown(self) -> None:
+        """As ``sglang.Engine.shutdown``: stop the watchdog, then SIGKILL every descendant of
+        this process (``kill_process_tree(os.getpid(), include_parent=False)``), its own or not."""
+        self.tokenizer_manager._subprocess_watchdog.stop()
+        from ferryman_engine_sglang.engine import _process_tree
+
+        for pid in _process_tree([os.getpid()])[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for p in self._procs:
+            p.wait()
         self.shut_down = True
         if self._task is not None:
             self._task.get_loop().call_soon_threadsafe(self._task.cancel)
