@@ -255,10 +255,54 @@ def test_reading_cumulative_incremental_and_streamed_abort_answers():
     lps = [(-0.5, 5, None), (-0.25, 6, None), (-0.125, 7, None), (-1.0, 8, None)]
     engine._take(req, _answer([8], lps, total=4, finish={"type": "abort"}))
     assert req.tokens == [5, 6, 7, 8] and req.log_probs == [-0.5, -0.25, -0.125, -1.0] and req.versions == [0] * 4
+    # a streamed abort answer for two tokens not read yet (SGLang answers the newest of the
+    # outputs waiting): the token ids come from the log-prob entries
+    lps += [(-2.0, 9, None), (-3.0, 10, None)]
+    engine._take(req, _answer([10], lps, total=6, finish={"type": "abort"}))
+    assert req.tokens == [5, 6, 7, 8, 9, 10] and req.log_probs[-2:] == [-2.0, -3.0]
+    with pytest.raises(RuntimeError, match="1 token ids for 2 new tokens"):
+        engine._take(req, _answer([12], lps + [(-1.0, None, None), (-1.0, 12, None)], total=8, finish={"type": "abort"}))
+    lps = lps[:4]
+    req = _Request("r", [1, 2], SamplingParams(), 10, None)
+    engine._take(req, _answer([5, 6, 7, 8], lps))
     with pytest.raises(RuntimeError, match="log-prob entry is for token 3"):
         engine._take(req, _answer([5, 6, 7, 8, 9], lps + [(-1.0, 3, None)]))
     with pytest.raises(RuntimeError, match="0 log-probs for 1 new tokens"):
         engine._take(req, _answer([5, 6, 7, 8, 9], []))
+
+
+async def test_streamed_abort_answer_for_several_unread_tokens(model_dir, own_state, prompt, monkeypatch):
+    """A streamed request moved back to SGLang's waiting queue (retracted) with two steps'
+    outputs not read yet, then aborted: SGLang answers the newest output only, its abort answer, which
+    holds the last token id and the log-probs of all; the tokens come from the log-probs."""
+    engine, fake = await started(model_dir, own_state, eos_id=-1)
+    orig = FakeSGLangEngine._sched_abort
+
+    def retract_then_abort(self, rid, abort_all):
+        for req in list(self.running):
+            for _ in range(2):  # two steps whose outputs are not read yet
+                token, lp = self._next(req)
+                req.output.append(token)
+                req.logprobs.append((lp, token, None))
+                self._answer(req, None)
+            self.running.remove(req)  # retracted, its output kept
+            self.waiting.append(req)
+        orig(self, rid, abort_all)
+
+    monkeypatch.setattr(FakeSGLangEngine, "_sched_abort", retract_then_abort)
+    try:
+        streamed: list[int] = []
+        task = asyncio.ensure_future(engine.generate("s", prompt, greedy(200), on_tokens=lambda d: streamed.extend(d.token_ids)))
+        while len(streamed) < 5:
+            await asyncio.sleep(0.002)
+        await engine.pause(abort=True)
+        out = await asyncio.wait_for(task, 10)
+        assert out.stop_reason == "aborted" and streamed == out.token_ids
+        assert out.log_probs == [lp for lp, _, _ in fake.last_answer_logprobs]
+        assert out.token_ids == [t for _, t, _ in fake.last_answer_logprobs]
+        await engine.resume()
+    finally:
+        await engine.shutdown()
 
 
 async def test_routed_experts_are_decoded_per_position(tmp_path, own_state, prompt):

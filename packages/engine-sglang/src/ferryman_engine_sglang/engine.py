@@ -419,17 +419,22 @@ class SGLangEngine:
         SGLang's default streaming and in a final answer, but only the newest tokens with
         ``incremental_streaming_output`` and in a streamed abort answer; ``completion_tokens``
         is always the whole count, so the new tokens are the last ``completion_tokens - seen``
-        of each."""
+        of each. A streamed abort answer holds the last token id only but the log-probs of the
+        whole piece: when more than one token is new there (answers coalesced while ferryman
+        had not read them), the token ids are those of the ``(log-prob, token id, None)``
+        entries."""
         meta = out.get("meta_info") or {}
         ids = list(out.get("output_ids") or [])
         total = int(meta.get("completion_tokens", len(ids)) or 0)
         new = total - req.seen
         if new <= 0:
             return
+        lps = meta.get("output_token_logprobs") or []
+        if len(ids) < new and len(lps) >= total and all(e[1] is not None for e in lps[req.seen : total]):
+            ids = [int(e[1]) for e in lps[:total]]
         if len(ids) < new:
             raise RuntimeError(f"SGLang answered {len(ids)} token ids for {new} new tokens of {req.request_id}")
         new_ids = ids[req.seen : total] if len(ids) >= total else ids[len(ids) - new :]
-        lps = meta.get("output_token_logprobs") or []
         if len(lps) < new:
             raise RuntimeError(f"SGLang answered {len(lps)} log-probs for {new} new tokens of {req.request_id}")
         new_lps = lps[req.seen : total] if len(lps) >= total else lps[len(lps) - new :]

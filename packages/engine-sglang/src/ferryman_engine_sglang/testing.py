@@ -14,6 +14,7 @@ where the engine depends on it, including the awkward parts:
   ``{"type": "abort", "message": ...}``), ``completion_tokens``, ``cached_tokens``,
   ``output_token_logprobs`` as ``(log-prob, token id, None)``; streamed answers hold the whole
   output so far, except a streamed abort of a waiting request, which holds the last token only;
+  outputs that came while the caller had not read the last are answered as one, the newest;
 * one token per running request per step (``step_delay_s`` apart) from a deterministic
   pseudo-model whose scores depend on the loaded weights and the last tokens; log-probs are
   those of the temperature-scaled scores before top-k/top-p, raw scores at temperature 0;
@@ -589,11 +590,17 @@ class FakeSGLangEngine:
             else:
                 self.waiting.append(req)
             self._wake()
-            last = None
-            while True:
+            last, done = None, False
+            while not done:
                 item = await req.queue.get()
                 if item is None:
                     break
+                while not req.queue.empty():  # SGLang answers the newest of the outputs waiting
+                    more = req.queue.get_nowait()
+                    if more is None:
+                        done = True
+                        break
+                    item = more
                 if req.stream:
                     yield item
                 last = item
