@@ -393,9 +393,12 @@ class SGLangEngine:
                 return None
             result = await self._sgl.async_generate(**kwargs)
             if stream:
-                async for out in result:
-                    self._take(req, out)
-                    last = out
+                # closed on the way out, error or not: SGLang's generator holds its
+                # model_update_lock (reader) until it is closed
+                async with contextlib.aclosing(result):
+                    async for out in result:
+                        self._take(req, out)
+                        last = out
             else:
                 self._take(req, result)
                 last = result
