@@ -747,8 +747,12 @@ async def test_shutdown_kills_only_sglangs_own_processes(model_dir, own_state, p
     (engine, fake), (other, other_fake) = [await started(model_dir, own_state) for _ in range(2)]
     try:
         await engine.generate("x", prompt, greedy(3))
-        own = _process_tree(fake.get_all_child_pids())
-        assert len(own) == 2 and all(_running(p) for p in own)  # the "scheduler" and its child
+        for _ in range(200):  # the "scheduler" and the child it starts
+            own = _process_tree(fake.get_all_child_pids())
+            if len(own) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(own) == 2 and all(_running(p) for p in own)
         await engine.shutdown()
         assert not any(_running(p) for p in own) and fake.shut_down
         assert fake.tokenizer_manager._subprocess_watchdog.stopped

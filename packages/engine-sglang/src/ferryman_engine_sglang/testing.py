@@ -317,7 +317,7 @@ class FakeSGLangEngine:
         self.engine_paused = False
         self.crashed: str | None = None
         self.steps = 0
-        self.shut_down = False
+        self._shut_down = False
         self._task: asyncio.Task[None] | None = None
         self._work: asyncio.Event | None = None
         # its "scheduler process", with a child of its own (ends with this process: stdin EOF)
@@ -615,12 +615,17 @@ class FakeSGLangEngine:
         """Its scheduler process was killed: the fake scheduler ends (within 50 ms)."""
         if all(p.poll() is None for p in self._procs):
             return False
-        self.shut_down = True
+        self._shut_down = True
         for req in self.waiting + self.running:
             req.finished = True
             req.queue.put_nowait(None)
         self.waiting, self.running = [], []
         return True
+
+    @property
+    def shut_down(self) -> bool:
+        """Shut down, or its scheduler process is gone."""
+        return self._shut_down or any(p.poll() is not None for p in self._procs)
 
     def get_all_child_pids(self) -> list[int]:
         """The processes it started (``sglang.Engine.get_all_child_pids``)."""
@@ -637,6 +642,6 @@ class FakeSGLangEngine:
                 os.kill(pid, signal.SIGKILL)
         for p in self._procs:
             p.wait()
-        self.shut_down = True
+        self._shut_down = True
         if self._task is not None:
             self._task.get_loop().call_soon_threadsafe(self._task.cancel)
