@@ -134,6 +134,13 @@ async def distributed_path(engine, weights, bucket_bytes, repeats):
             out = await recv
             if not (out[0] if isinstance(out, tuple) else out.success):
                 raise RuntimeError(f"update_weights_from_distributed failed: {out}")
+        # the radix-cache flush that set_version does after load_weights (this path bypasses
+        # load_weights, so set_version does not flush), timed as there: a waiting flush, not
+        # flush_cache=True on the last bucket, whose failure is an assertion that ends SGLang's
+        # scheduler if it is not fully idle yet
+        flushed = await tm.flush_cache(timeout_s=10.0)
+        if not getattr(flushed, "success", flushed):
+            raise RuntimeError(f"flush_cache after the distributed update failed: {flushed}")
         await engine.set_version(100 + i)
         dt = time.perf_counter() - t0
         await engine.resume()

@@ -21,6 +21,7 @@ from ferryman.types import SamplingParams  # noqa: E402
 from ferryman_engine_sglang.api import EXTRA_HINT, check_version  # noqa: E402
 from ferryman_engine_sglang.config import SGLangEngineConfig  # noqa: E402
 from ferryman_engine_sglang.engine import SGLangEngine, _Request, make_sglang_engine  # noqa: E402
+from ferryman_engine_sglang import engine as ENGINE  # noqa: E402
 from ferryman_engine_sglang.testing import FakeSGLangEngine  # noqa: E402
 from ferryman.engine_checks import check_bucket, read_checkpoint_spec  # noqa: E402
 
@@ -254,10 +255,54 @@ def test_reading_cumulative_incremental_and_streamed_abort_answers():
     lps = [(-0.5, 5, None), (-0.25, 6, None), (-0.125, 7, None), (-1.0, 8, None)]
     engine._take(req, _answer([8], lps, total=4, finish={"type": "abort"}))
     assert req.tokens == [5, 6, 7, 8] and req.log_probs == [-0.5, -0.25, -0.125, -1.0] and req.versions == [0] * 4
+    # a streamed abort answer for two tokens not read yet (SGLang answers the newest of the
+    # outputs waiting): the token ids come from the log-prob entries
+    lps += [(-2.0, 9, None), (-3.0, 10, None)]
+    engine._take(req, _answer([10], lps, total=6, finish={"type": "abort"}))
+    assert req.tokens == [5, 6, 7, 8, 9, 10] and req.log_probs[-2:] == [-2.0, -3.0]
+    with pytest.raises(RuntimeError, match="1 token ids for 2 new tokens"):
+        engine._take(req, _answer([12], lps + [(-1.0, None, None), (-1.0, 12, None)], total=8, finish={"type": "abort"}))
+    lps = lps[:4]
+    req = _Request("r", [1, 2], SamplingParams(), 10, None)
+    engine._take(req, _answer([5, 6, 7, 8], lps))
     with pytest.raises(RuntimeError, match="log-prob entry is for token 3"):
         engine._take(req, _answer([5, 6, 7, 8, 9], lps + [(-1.0, 3, None)]))
     with pytest.raises(RuntimeError, match="0 log-probs for 1 new tokens"):
         engine._take(req, _answer([5, 6, 7, 8, 9], []))
+
+
+async def test_streamed_abort_answer_for_several_unread_tokens(model_dir, own_state, prompt, monkeypatch):
+    """A streamed request moved back to SGLang's waiting queue (retracted) with two steps'
+    outputs not read yet, then aborted: SGLang answers the newest output only, its abort answer, which
+    holds the last token id and the log-probs of all; the tokens come from the log-probs."""
+    engine, fake = await started(model_dir, own_state, eos_id=-1)
+    orig = FakeSGLangEngine._sched_abort
+
+    def retract_then_abort(self, rid, abort_all):
+        for req in list(self.running):
+            for _ in range(2):  # two steps whose outputs are not read yet
+                token, lp = self._next(req)
+                req.output.append(token)
+                req.logprobs.append((lp, token, None))
+                self._answer(req, None)
+            self.running.remove(req)  # retracted, its output kept
+            self.waiting.append(req)
+        orig(self, rid, abort_all)
+
+    monkeypatch.setattr(FakeSGLangEngine, "_sched_abort", retract_then_abort)
+    try:
+        streamed: list[int] = []
+        task = asyncio.ensure_future(engine.generate("s", prompt, greedy(200), on_tokens=lambda d: streamed.extend(d.token_ids)))
+        while len(streamed) < 5:
+            await asyncio.sleep(0.002)
+        await engine.pause(abort=True)
+        out = await asyncio.wait_for(task, 10)
+        assert out.stop_reason == "aborted" and streamed == out.token_ids
+        assert out.log_probs == [lp for lp, _, _ in fake.last_answer_logprobs]
+        assert out.token_ids == [t for _, t, _ in fake.last_answer_logprobs]
+        await engine.resume()
+    finally:
+        await engine.shutdown()
 
 
 async def test_routed_experts_are_decoded_per_position(tmp_path, own_state, prompt):
@@ -357,8 +402,8 @@ async def test_keep_mode_continues_in_the_same_call_with_new_weights(model_dir, 
         # the tokens after the update are the new weights' greedy continuation of that context
         fresh = await engine.generate("fresh", prompt + out.token_ids[:k], greedy(40 - k))
         assert fresh.token_ids == out.token_ids[k:]
-        assert [c[0] for c in fake.calls if c[0] in ("release_memory_occupation", "flush_cache")][:2] == [
-            "release_memory_occupation", "flush_cache"
+        assert [c[0] for c in fake.calls if c[0] in ("release_memory_occupation", "flush_cache")][:3] == [
+            "flush_cache", "release_memory_occupation", "flush_cache"
         ]
         assert fake.crashed is None and (await engine.stats())["num_aborted"] == 0
     finally:
@@ -404,6 +449,34 @@ async def test_in_place_mode_keeps_requests_and_flushes_when_idle(model_dir, own
         await engine.shutdown()
 
 
+async def test_in_place_pause_releases_nothing_until_resume(model_dir, own_state, prompt):
+    """While SGLang is paused in place its scheduler is not idle, even once the last request
+    ferryman had in it has answered (one that ended in the step the pause arrived in):
+    release_kv_cache releases nothing until resume()."""
+    engine, fake = await started(model_dir, own_state, eos_id=-1, pause_mode="in_place")
+    try:
+        task = asyncio.ensure_future(engine.generate("last-step", prompt, greedy(40)))
+        await _wait_tokens(fake, 5)
+        await engine.pause(abort=True)
+        await asyncio.sleep(0.01)
+        (req,) = fake.running  # SGLang answers it as finished (its last step ran with the pause)
+        fake.running.remove(req)
+        fake._answer(req, {"type": "length", "length": len(req.output)})
+        out = await asyncio.wait_for(task, 10)
+        assert out.stop_reason == "length" and (await engine.stats())["in_sglang"] == 0
+        await engine.release_kv_cache()
+        assert not [c for c in fake.calls if c[0] in ("release_memory_occupation", "flush_cache")]
+        assert (await engine.stats())["kv_released"] == 0.0
+        await engine.resume()
+        await engine.pause(abort=True)
+        await engine.release_kv_cache()  # not paused in place now: released
+        assert (await engine.stats())["kv_released"] == 1.0 and fake.crashed is None
+        await engine.resume_kv_cache()
+        await engine.resume()
+    finally:
+        await engine.shutdown()
+
+
 async def test_cancelled_call_is_aborted_in_sglang(model_dir, own_state, prompt):
     engine, fake = await started(model_dir, own_state, eos_id=-1)
     try:
@@ -434,10 +507,60 @@ async def test_release_and_resume_kv_cache_in_order(model_dir, own_state, prompt
         after = await engine.generate("b", prompt, greedy(8))
         assert after.token_ids == before.token_ids and after.versions == [1] * len(after.token_ids)
         kinds = [c for c in fake.calls if c[0] in ("release_memory_occupation", "resume_memory_occupation", "update_weights_from_tensor", "flush_cache")]
-        assert kinds[0] == ("release_memory_occupation", ["kv_cache"])
-        assert [k[0] for k in kinds[1:3]] == ["update_weights_from_tensor"] * 2 and kinds[1][2] is False
-        assert kinds[3] == ("flush_cache", True) and kinds[4] == ("resume_memory_occupation", ["kv_cache"])
-        assert fake.crashed is None
+        assert kinds[0] == ("flush_cache", True) and kinds[1] == ("release_memory_occupation", ["kv_cache"])
+        assert [k[0] for k in kinds[2:4]] == ["update_weights_from_tensor"] * 2 and kinds[2][2] is False
+        assert kinds[4] == ("flush_cache", True) and kinds[5] == ("resume_memory_occupation", ["kv_cache"])
+        assert fake.flush_timeouts == [ENGINE.FLUSH_WAIT_S] * 2 and fake.crashed is None
+    finally:
+        await engine.shutdown()
+
+
+async def test_flushes_wait_until_sglang_is_idle(model_dir, own_state, prompt):
+    """SGLang flushes only when its scheduler is fully idle, a moment after its last answer:
+    right after an abort an immediate flush is refused; ferryman's waiting flush (0.5.17's
+    flush_cache(timeout_s=...)) succeeds, and the release that SGLang asserts idleness for
+    comes after it."""
+    engine, fake = await started(model_dir, own_state, eos_id=-1, fake={"idle_lag_s": 0.05})
+    try:
+        task = asyncio.ensure_future(engine.generate("busy", prompt, greedy(200)))
+        await _wait_tokens(fake, 5)
+        await engine.pause(abort=True)
+        assert (await task).stop_reason == "aborted" and not fake.idle()
+        assert (await fake.tokenizer_manager.flush_cache()).success is False  # what an immediate flush gets
+        await engine.release_kv_cache()
+        assert fake.flush_timeouts == [None, ENGINE.FLUSH_WAIT_S] and fake.calls[-2:] == [
+            ("flush_cache", True), ("release_memory_occupation", ["kv_cache"])
+        ]
+        await engine.load_weights(own_state)
+        await engine.set_version(1)
+        await engine.resume_kv_cache()
+        await engine.resume()
+        assert (await engine.stats())["flushes_refused"] == 0 and fake.crashed is None
+    finally:
+        await engine.shutdown()
+
+
+async def test_release_is_refused_when_sglang_does_not_become_idle(model_dir, own_state, prompt, monkeypatch):
+    """A request in SGLang that this engine does not know of (another client of the same
+    Engine) keeps its scheduler busy: the waiting flush times out and release_kv_cache raises
+    instead of sending a release that SGLang's assertion would answer by ending its scheduler."""
+    monkeypatch.setattr(ENGINE, "FLUSH_WAIT_S", 0.05)
+    engine, fake = await started(model_dir, own_state, eos_id=-1)
+    try:
+        other = asyncio.ensure_future(
+            fake.async_generate(input_ids=prompt, sampling_params={"max_new_tokens": 400}, rid="other-client")
+        )
+        while not fake.running:
+            await asyncio.sleep(0.002)
+        await engine.pause(abort=True)
+        with pytest.raises(RuntimeError, match="not released"):
+            await engine.release_kv_cache()
+        assert fake.flush_timeouts == [0.05] and ("flush_cache", False) in fake.calls
+        assert not [c for c in fake.calls if c[0] == "release_memory_occupation"] and fake.crashed is None
+        assert (await engine.stats())["kv_released"] == 0.0
+        fake.tokenizer_manager.abort_request(rid="other-client")
+        await other
+        await engine.resume()
     finally:
         await engine.shutdown()
 
@@ -549,6 +672,26 @@ async def test_invalid_prompts_are_rejected_before_sglang(model_dir, own_state, 
         await engine.shutdown()
 
 
+async def test_prompts_and_budgets_follow_sglangs_request_limits(model_dir, own_state, prompt):
+    """SGLang's scheduler aborts a prompt of max_req_input_len tokens or more (min(context - 1,
+    KV pool - 1) - 5) and clips max_new_tokens: ferryman refuses such a prompt itself and asks
+    for no more tokens than SGLang would give."""
+    engine, fake = await started(model_dir, own_state, eos_id=-1, fake={"max_total_tokens": 100})
+    try:
+        assert fake.tokenizer_manager.max_req_input_len == 94 and engine.max_prompt == 94 and engine.max_context == 512
+        with pytest.raises(ValueError, match="fewer than 94 tokens"):
+            await engine.generate("long", [5] * 94, greedy(2))
+        assert fake.generate_kwargs == []
+        out = await engine.generate("fits", [5] * 90, greedy(50))
+        assert fake.generate_kwargs[-1]["sampling_params"]["max_new_tokens"] == 4
+        assert out.stop_reason == "length" and len(out.token_ids) == 4
+        # what SGLang does with a prompt at the limit, sent past ferryman's check
+        answer = await fake.async_generate(input_ids=[5] * 94, sampling_params={"max_new_tokens": 2}, rid="direct")
+        assert answer["meta_info"]["finish_reason"]["type"] == "abort" and answer["output_ids"] == []
+    finally:
+        await engine.shutdown()
+
+
 async def test_shutdown_answers_kept_and_running_calls(model_dir, own_state, prompt):
     engine, fake = await started(model_dir, own_state, eos_id=-1, pause_mode="keep")
     running = asyncio.ensure_future(engine.generate("run", prompt, greedy(300)))
@@ -557,6 +700,70 @@ async def test_shutdown_answers_kept_and_running_calls(model_dir, own_state, pro
     await engine.shutdown()
     out = await asyncio.wait_for(running, 10)
     assert out.stop_reason == "aborted" and len(out.token_ids) >= 5 and fake.shut_down
+
+
+async def test_starting_sglang_keeps_the_root_logger(model_dir, own_state):
+    """SGLang's start runs logging.basicConfig(force=True) in this process (the fake too): the
+    root logger's handlers (not closed) and level are as before; SGLang's own level is on the
+    ``sglang`` logger."""
+    import logging
+
+    class Kept(logging.Handler):
+        closed = False
+
+        def emit(self, record):
+            self.last = record.getMessage()
+
+        def close(self):
+            self.closed = True
+            super().close()
+
+    root, mine = logging.getLogger(), Kept()
+    handlers, level, sglang_level = list(root.handlers), root.level, logging.getLogger("sglang").level
+    root.addHandler(mine)
+    root.setLevel(logging.INFO)
+    try:
+        engine, _ = await started(model_dir, own_state, log_level="error")
+        assert root.handlers == handlers + [mine] and root.level == logging.INFO and not mine.closed
+        assert logging.getLogger("sglang").level == logging.ERROR
+        logging.getLogger("ferryman.somewhere").info("still here")
+        assert mine.last == "still here"
+        await engine.shutdown()
+    finally:
+        root.removeHandler(mine)
+        root.setLevel(level)
+        logging.getLogger("sglang").setLevel(sglang_level)
+
+
+async def test_shutdown_kills_only_sglangs_own_processes(model_dir, own_state, prompt):
+    """sglang.Engine.shutdown SIGKILLs every child of this process (the fake's shutdown too);
+    the engine stops only the processes its SGLang started, with their children: another
+    replica's scheduler, a child of this process started elsewhere, lives on."""
+    import subprocess
+
+    from ferryman_engine_sglang.engine import _process_tree, _running
+
+    sibling = subprocess.Popen(["sleep", "60"])
+    (engine, fake), (other, other_fake) = [await started(model_dir, own_state) for _ in range(2)]
+    try:
+        await engine.generate("x", prompt, greedy(3))
+        for _ in range(200):  # the "scheduler" and the child it starts
+            own = _process_tree(fake.get_all_child_pids())
+            if len(own) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(own) == 2 and all(_running(p) for p in own)
+        await engine.shutdown()
+        assert not any(_running(p) for p in own) and fake.shut_down
+        assert fake.tokenizer_manager._subprocess_watchdog.stopped
+        assert sibling.poll() is None and not other_fake.shut_down
+        assert (await other.generate("y", prompt, greedy(3))).stop_reason in ("stop", "length")
+        other_fake.shutdown()  # what SGLang's own shutdown does: the sibling is killed too
+        assert sibling.wait(5) == -9
+    finally:
+        sibling.kill()
+        sibling.wait()
+        await other.shutdown()
 
 
 def test_engine_requires_start():

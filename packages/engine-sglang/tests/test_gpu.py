@@ -8,12 +8,15 @@ Run on a machine with an NVIDIA GPU and SGLang 0.5.11-0.5.17 installed (see
 One engine is started for the whole module (an SGLang start takes many seconds); tests leave
 it resumed, at its own weights, in ``abort`` pause mode.
 
-The model is a tiny random Qwen2 built on the spot, in float32, served with SGLang's Triton
-attention and PyTorch sampling backends (no FlashInfer JIT needed; override with
-``FERRYMAN_SGLANG_TEST_ATTENTION``). SGLang against itself (batched vs alone, before vs after an
-abort) agrees to ``ATOL``; against a plain transformers forward loop on the same GPU the greedy
-tokens are equal and log-probs differ by up to about 1e-2 (other kernels on fp32 weights whose
-random logits are large), hence ``REF_ATOL``.
+The model is a tiny random Qwen2 built on the spot, served in bfloat16 (SGLang's RMSNorm
+kernels take fp16/bf16 only) with ``deterministic: true`` (SGLang's batch-invariant kernels)
+and SGLang's Triton attention and PyTorch sampling backends (no FlashInfer JIT needed; override
+with ``FERRYMAN_SGLANG_TEST_ATTENTION``). Greedy tokens of SGLang against itself (batched vs
+alone, before vs after an abort, a reload of the same weights) are compared exactly, log-probs
+to ``ATOL``; against transformers (other kernels) the check is teacher-forced on SGLang's
+tokens: each is the reference's greedy choice up to ``REF_ATOL`` of logit (a bf16 near-tie may
+go either way) and its log-prob is within ``REF_ATOL``. See the tolerances for the reasoning.
+Not yet run on a GPU in this form.
 """
 
 from __future__ import annotations
@@ -43,15 +46,26 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-ATOL = 1e-3
-"""SGLang against itself (batched vs alone, before vs after an abort)."""
-REF_ATOL = 2e-2
-"""SGLang against a plain transformers forward loop (other kernels, same fp32 weights)."""
+# Tolerances for bfloat16. bf16 keeps 8 significant bits: one ulp is 2**-7 relative, 2**-5 =
+# 0.031 for values in [4, 8). This model's logits have a spread of about sqrt(hidden_size) *
+# init_std = 2.3, so the largest of its vocabulary reach 6-8. A log-prob is logit - logsumexp:
+# a computation that rounds differently moves each by up to about an ulp of the largest logit,
+# the two together 2 ulps = 0.0625, and as much again from the two layers' activations before
+# them; errors of that size are what bf16 allows, a bug (another position's, another
+# temperature's, another model's log-prob) is off by far more (tenths to units).
+ATOL = 0.125
+"""SGLang against itself. With ``deterministic`` the kernels are batch-invariant (batched and
+alone agree bit for bit), but a resumed piece computes its first position in a prefill over
+cached KV where the uninterrupted run decoded it: 4 ulps at [4, 8) (see above)."""
+REF_ATOL = 0.25
+"""SGLang against transformers: other kernels at every layer (attention, fused RMSNorm, bf16
+GEMMs), so twice the self-consistency bound; also the logit margin within which SGLang's greedy
+token must be the reference's argmax (a near-tie can go either way in bf16)."""
 TINY = dict(hidden_size=128, num_heads=2, num_kv_heads=1, num_layers=2, init_std=0.2)
 KV_TOKENS = 65536
-DTYPE = os.environ.get("FERRYMAN_SGLANG_TEST_DTYPE", "float32")
-"""SGLang's and the reference's dtype (bfloat16 only if a kernel refuses float32: the
-tolerances above are for float32)."""
+DTYPE = os.environ.get("FERRYMAN_SGLANG_TEST_DTYPE", "bfloat16")
+"""SGLang's and the reference's dtype: bfloat16 (SGLang's RMSNorm, sgl_kernel / FlashInfer,
+takes fp16 and bf16 only; the tolerances above are for bf16)."""
 
 
 def greedy(n: int) -> SamplingParams:
@@ -89,19 +103,26 @@ def hf_models(model_dir, other_dir):
     return {"own": load(model_dir), "other": load(other_dir)}
 
 
-def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and log-probs by full forwards (no cache, no batching)."""
-    seq, tokens, lps = list(prompt), [], []
+def hf_check(model, prompt: list[int], tokens: list[int], log_probs: list[float] | None = None) -> int:
+    """Check SGLang's greedy ``tokens`` (and ``log_probs``) against transformers, teacher-forced
+    on them (one forward, no cache): each token's reference logit is within ``REF_ATOL`` of the
+    reference's largest (bf16 near-ties may go either way) and its log-prob within
+    ``REF_ATOL``. Returns how many tokens are exactly the reference's argmax."""
+    assert tokens, "no tokens to check"
     with torch.no_grad():
-        for _ in range(n):
-            logits = model(input_ids=torch.tensor([seq], device="cuda")).logits[0, -1].float()
-            t = int(torch.argmax(logits))
-            tokens.append(t)
-            lps.append(float(torch.log_softmax(logits, -1)[t]))
-            seq.append(t)
-            if t == 2:
-                break
-    return tokens, lps
+        logits = model(input_ids=torch.tensor([prompt + tokens], device="cuda")).logits[0].float()
+    logits = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+    ref_lps = torch.log_softmax(logits, -1)
+    exact = 0
+    for i, t in enumerate(tokens):
+        best = int(torch.argmax(logits[i]))
+        gap = float(logits[i, best] - logits[i, t])
+        assert gap <= REF_ATOL, f"token {i}: {t} is {gap:.3f} below the reference's greedy choice {best}"
+        if log_probs is not None:
+            diff = abs(float(ref_lps[i, t]) - log_probs[i])
+            assert diff <= REF_ATOL, f"token {i}: log-prob {log_probs[i]:.4f} vs the reference's {float(ref_lps[i, t]):.4f}"
+        exact += best == t
+    return exact
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +143,7 @@ def chat(tok):
 async def sgl_engine(model_dir):
     cfg = SGLangEngineConfig(
         dtype=DTYPE,
+        deterministic=True,  # batch-invariant kernels: batched and alone agree exactly
         cuda_graph=False,
         mem_fraction_static=0.3,
         max_total_tokens=KV_TOKENS,
@@ -185,13 +207,15 @@ class TestSGLangContract(EngineContract):
 
 
 async def test_matches_transformers_reference(sgl_engine, chat, hf_models):
-    """Token ids and log-probs equal a plain transformers forward loop on the same GPU."""
+    """Greedy tokens and log-probs agree with transformers on the same GPU (teacher-forced on
+    SGLang's tokens; bf16 near-ties aside, the tokens are its argmax)."""
     prompts = [chat("Repeat the digit 7."), chat("What is 3 plus 4?"), [5, 6, 7]]
     outs = await asyncio.gather(*[sgl_engine.generate(f"ref-{i}", p, greedy(16)) for i, p in enumerate(prompts)])
+    exact = total = 0
     for p, out in zip(prompts, outs):
-        tokens, lps = hf_greedy(hf_models["own"], p, 16)
-        assert out.token_ids == tokens
-        assert max(abs(a - b) for a, b in zip(out.log_probs, lps)) <= REF_ATOL
+        exact += hf_check(hf_models["own"], p, out.token_ids, out.log_probs)
+        total += len(out.token_ids)
+    assert exact >= 0.8 * total, f"only {exact} of {total} tokens are the reference's argmax"
 
 
 async def test_log_probs_are_at_the_sampling_temperature(sgl_engine, chat, hf_models):
@@ -202,8 +226,8 @@ async def test_log_probs_are_at_the_sampling_temperature(sgl_engine, chat, hf_mo
     with torch.no_grad():
         logits = hf_models["own"](input_ids=torch.tensor([prompt + out.token_ids], device="cuda")).logits[0].float()
     lp = torch.log_softmax(logits / 0.7, -1)
-    for i, t in enumerate(out.token_ids):
-        assert abs(float(lp[len(prompt) + i - 1, t]) - out.log_probs[i]) <= REF_ATOL
+    for i, t in enumerate(out.token_ids):  # logits / 0.7: their bf16 differences grow as much
+        assert abs(float(lp[len(prompt) + i - 1, t]) - out.log_probs[i]) <= REF_ATOL / 0.7
 
 
 async def test_partial_rollout_round_trip_same_tokens(sgl_engine, chat):
@@ -265,9 +289,7 @@ async def test_weight_load_changes_outputs_and_version(sgl_engine, chat, own_wei
     after = await engine.generate("w-after", prompt, greedy(16))
     assert after.token_ids != before.token_ids
     assert after.versions == [v + 1] * len(after.token_ids)
-    tokens, lps = hf_greedy(hf_models["other"], prompt, 16)
-    assert after.token_ids == tokens, "SGLang with the loaded weights differs from the other model"
-    assert max(abs(a - b) for a, b in zip(after.log_probs, lps)) <= REF_ATOL
+    hf_check(hf_models["other"], prompt, after.token_ids, after.log_probs)  # SGLang now runs the other model
     await _update(engine, own_weights, v + 2)
     again = await engine.generate("w-again", prompt, greedy(16))
     assert again.token_ids == before.token_ids and again.versions == [v + 2] * len(again.token_ids)
@@ -350,8 +372,7 @@ async def test_keep_mode_continues_with_the_new_weights(sgl_engine, chat, own_we
     k = out.versions.index(v + 1)
     assert k >= 30 and out.versions == [v] * k + [v + 1] * (len(out.versions) - k)
     assert out.token_ids[:k] == ref.token_ids[:k]
-    tokens, _ = hf_greedy(hf_models["other"], prompt + out.token_ids[:k], 8)
-    assert out.token_ids[k : k + len(tokens)] == tokens[: len(out.token_ids) - k]
+    hf_check(hf_models["other"], prompt + out.token_ids[:k], out.token_ids[k : k + 8])  # the other model's continuation
     engine.config.pause_mode = "abort"
     await _update(engine, own_weights, v + 2)
 

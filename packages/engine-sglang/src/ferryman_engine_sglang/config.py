@@ -97,7 +97,7 @@ class SGLangEngineConfig(PluginConfig):
     """SGLang's log level (its loggers, in this process and the schedulers)."""
     server_args: dict[str, Any] = Field(default_factory=dict)
     """Further keyword arguments for SGLang's ``ServerArgs`` (e.g. ``attention_backend``,
-    ``page_size``, ``cuda_graph_max_bs``), passed as given. Fields set above cannot be given
+    ``page_size``, ``cuda_graph_max_bs_decode``), passed as given. Fields set above cannot be given
     here."""
 
     @model_validator(mode="after")

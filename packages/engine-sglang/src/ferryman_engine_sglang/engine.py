@@ -13,7 +13,8 @@ of its own, ``<12 hex digits>-<ferryman request id>``: SGLang's scheduler aborts
 whose id *starts with* the id given, and a fixed-width counter in front makes each id a prefix
 of no other.
 
-- ``generate``: checks its input (ValueError, nothing sent to SGLang), waits while paused, and
+- ``generate``: checks its input (ValueError, nothing sent to SGLang; prompts as long as
+  SGLang's ``max_req_input_len`` or longer included), waits while paused, and
   returns what SGLang answers: ``output_ids``, ``meta_info["output_token_logprobs"]``
   (``(log-prob, token id, None)`` triples), ``cached_tokens`` (radix-cache hit of the prompt),
   ``finish_reason["type"]`` (``stop``/``length``/``abort``) and, for MoE models,
@@ -27,19 +28,27 @@ of no other.
   ``pause_generation(mode="in_place")``. ``pause(abort=False)`` waits until in-flight requests
   finish. New calls wait for ``resume()``.
 - ``release_kv_cache`` / ``resume_kv_cache``: SGLang's ``release_memory_occupation`` /
-  ``resume_memory_occupation`` with the ``kv_cache`` tag (and ``weights`` in colocated mode).
+  ``resume_memory_occupation`` with the ``kv_cache`` tag (and ``weights`` in colocated mode),
+  the release only after a radix-cache flush has succeeded (SGLang asserts that its scheduler
+  is idle there, and a failed assertion ends the scheduler process).
 - ``load_weights``: checked against the checkpoint's names and shapes first, then handed to
   SGLang's ``update_weights_from_tensor`` (one serialized copy per tensor-parallel rank; CUDA
   tensors cross as CUDA IPC handles) without a cache flush; ``set_version`` flushes the radix
-  cache once after the last bucket.
+  cache once after the last bucket. Flushes wait (up to ``FLUSH_WAIT_S``) for SGLang's
+  scheduler to be idle, which a flush needs, except while ``in_place`` keeps requests in it:
+  then the flush is immediate (it is refused) and retried when SGLang is next idle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import inspect
 import itertools
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +70,9 @@ ABORT_RETRY_S = 0.05
 """How often ``pause(abort=True)`` repeats the aborts SGLang has not confirmed yet."""
 ABORT_GRACE_S = 30.0
 """How long ``pause(abort=True)`` waits for SGLang to confirm aborts before answering itself."""
+FLUSH_WAIT_S = 10.0
+"""How long a waiting radix-cache flush (``flush_cache(timeout_s=...)``, SGLang 0.5.17) waits
+for SGLang's scheduler to be fully idle (a flush succeeds only then)."""
 
 
 def make_sglang_engine(
@@ -130,6 +142,9 @@ class SGLangEngine:
         self._api: SGLangAPI | None = None
         self._spec: CheckpointSpec | None = None
         self.max_context: int | None = None
+        self.max_prompt: int | None = None
+        """Prompts must be shorter than this: SGLang's ``max_req_input_len``,
+        ``min(context_len - 1, KV cache pool - 1) - 5``; longer ones it aborts."""
         self.vocab_size: int | None = None
         self.tp_size = config.tensor_parallel_size
 
@@ -161,6 +176,9 @@ class SGLangEngine:
         self._tensors_loaded = 0
         self._load_seconds = 0.0
         self._flushes_refused = 0
+        self._flush_waits = False
+        """SGLang's ``flush_cache`` takes ``timeout_s`` (0.5.17; earlier ones flush at once or refuse)."""
+        self._flushing = False
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -179,15 +197,27 @@ class SGLangEngine:
         # built on the event loop's thread, which blocks while SGLang starts its scheduler
         # processes (once): SGLang's Engine takes the running loop as its own and registers its
         # signal handlers only on the main thread, so it is not built in a worker thread
-        self._sgl, self._api = self._factory(kwargs)
+        with _root_logging_kept(self.config.log_level):
+            self._sgl, self._api = self._factory(kwargs)
         tm = self._sgl.tokenizer_manager
         context = getattr(tm, "context_len", None)
         self.max_context = int(context) if context else self._spec.max_position_embeddings
+        # the scheduler's limits (set on the tokenizer manager once it is ready): it aborts a
+        # prompt of max_req_input_len tokens or more and clips max_new_tokens to
+        # max_req_len - len(prompt) - 1, where max_req_len = max_req_input_len + 5
+        limit = getattr(tm, "max_req_input_len", None)
+        self.max_prompt = int(limit) if limit else self.max_context - 6
+        with contextlib.suppress(TypeError, ValueError):
+            self._flush_waits = "timeout_s" in inspect.signature(tm.flush_cache).parameters
         self._started = True
-        log.info("SGLang engine %s started (sglang %s, context %s)", self.replica, self._api.version, self.max_context)
+        log.info(
+            "SGLang engine %s started (sglang %s, context %s, prompts < %s tokens)",
+            self.replica, self._api.version, self.max_context, self.max_prompt,
+        )
 
     async def shutdown(self) -> None:
-        """Answer every outstanding call as aborted and stop SGLang (its processes)."""
+        """Answer every outstanding call as aborted and stop SGLang: this replica's SGLang
+        processes only (``sglang.Engine.shutdown`` would kill every child of this process)."""
         if self._closed:
             return
         self._closed = True
@@ -199,8 +229,10 @@ class SGLangEngine:
                 req.task.cancel()
         if self._sgl is not None:
             sgl, self._sgl = self._sgl, None
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(sgl.shutdown)
+            try:
+                await asyncio.to_thread(_stop_sglang, sgl)
+            except Exception:
+                log.exception("SGLang engine %s: stopping SGLang failed", self.replica)
 
     # ------------------------------------------------------------------ generation
     async def generate(
@@ -212,8 +244,10 @@ class SGLangEngine:
             raise RuntimeError("SGLangEngine.generate: call `await engine.start()` first")
         await self._wait_resumed()
         budget = params.max_tokens
-        if self.max_context is not None:
-            budget = min(budget, self.max_context - len(prompt_ids))
+        if self.max_prompt is not None:
+            # within SGLang's clip (max_req_len - len - 1 = max_prompt + 4 - len), and small
+            # enough that a keep-mode resubmission (prompt + tokens so far) is a prompt it takes
+            budget = min(budget, self.max_prompt - len(prompt_ids))
         sink = safe_sink(on_tokens, f"sglang engine {self.replica}") if on_tokens is not None else None
         req = _Request(request_id, [int(t) for t in prompt_ids], params, budget, sink)
         self._num_requests += 1
@@ -265,6 +299,12 @@ class SGLangEngine:
         check_generate_request(
             "SGLangEngine.generate", prompt_ids, params, vocab_size=self.vocab_size, max_context=self.max_context
         )
+        if self.max_prompt is not None and len(prompt_ids) >= self.max_prompt:
+            raise ValueError(
+                f"SGLangEngine.generate: prompt of {len(prompt_ids)} tokens is too long for SGLang, which takes "
+                f"prompts of fewer than {self.max_prompt} tokens (its max_req_input_len: the context of "
+                f"{self.max_context} positions and the KV cache pool, less 6)"
+            )
         bad_stop = [t for t in params.stop_token_ids if int(t) < 0]
         if bad_stop:
             raise ValueError(f"SGLangEngine.generate: negative stop token ids {bad_stop[:5]}")
@@ -353,9 +393,12 @@ class SGLangEngine:
                 return None
             result = await self._sgl.async_generate(**kwargs)
             if stream:
-                async for out in result:
-                    self._take(req, out)
-                    last = out
+                # closed on the way out, error or not: SGLang's generator holds its
+                # model_update_lock (reader) until it is closed
+                async with contextlib.aclosing(result):
+                    async for out in result:
+                        self._take(req, out)
+                        last = out
             else:
                 self._take(req, result)
                 last = result
@@ -379,17 +422,22 @@ class SGLangEngine:
         SGLang's default streaming and in a final answer, but only the newest tokens with
         ``incremental_streaming_output`` and in a streamed abort answer; ``completion_tokens``
         is always the whole count, so the new tokens are the last ``completion_tokens - seen``
-        of each."""
+        of each. A streamed abort answer holds the last token id only but the log-probs of the
+        whole piece: when more than one token is new there (answers coalesced while ferryman
+        had not read them), the token ids are those of the ``(log-prob, token id, None)``
+        entries."""
         meta = out.get("meta_info") or {}
         ids = list(out.get("output_ids") or [])
         total = int(meta.get("completion_tokens", len(ids)) or 0)
         new = total - req.seen
         if new <= 0:
             return
+        lps = meta.get("output_token_logprobs") or []
+        if len(ids) < new and len(lps) >= total and all(e[1] is not None for e in lps[req.seen : total]):
+            ids = [int(e[1]) for e in lps[:total]]
         if len(ids) < new:
             raise RuntimeError(f"SGLang answered {len(ids)} token ids for {new} new tokens of {req.request_id}")
         new_ids = ids[req.seen : total] if len(ids) >= total else ids[len(ids) - new :]
-        lps = meta.get("output_token_logprobs") or []
         if len(lps) < new:
             raise RuntimeError(f"SGLang answered {len(lps)} log-probs for {new} new tokens of {req.request_id}")
         new_lps = lps[req.seen : total] if len(lps) >= total else lps[len(lps) - new :]
@@ -432,7 +480,7 @@ class SGLangEngine:
             self._drained.set()
 
     def _after_piece(self) -> None:
-        if self._active:
+        if self._active or self._frozen:
             return
         if self._cache_stale and not self._closed and not self._frozen:
             # in_place kept requests through a weight load: flush at the first idle moment
@@ -441,8 +489,14 @@ class SGLangEngine:
             task.add_done_callback(self._background.discard)
 
     async def _retry_flush(self) -> None:
-        if self._cache_stale and not self._active and await self._flush():
-            self._cache_stale = False
+        if self._flushing or not self._cache_stale or self._active:
+            return
+        self._flushing = True  # one flush at a time: SGLang refuses a second while one waits
+        try:
+            if await self._flush(wait=not self._frozen):
+                self._cache_stale = False
+        finally:
+            self._flushing = False
 
     # ------------------------------------------------------------------ control
     async def pause(self, abort: bool) -> None:
@@ -493,16 +547,26 @@ class SGLangEngine:
     async def release_kv_cache(self) -> None:
         """Free SGLang's KV cache (and, with ``release_weights``, the weights) until
         :meth:`resume_kv_cache`. SGLang asserts that its scheduler is idle here: while requests
-        are kept by an ``in_place`` pause, nothing is released."""
+        are kept by an ``in_place`` pause (until ``resume()``, even when none of ferryman's is
+        left in SGLang), nothing is released."""
         self._require_started("release_kv_cache")
         if self._kv_released:
             return
-        if self._active:
-            log.info("SGLang engine %s keeps its KV cache: %d requests are paused in it", self.replica, len(self._active))
+        if self._active or self._frozen:
+            log.info(
+                "SGLang engine %s keeps its KV cache: paused in place with %d requests in it", self.replica, len(self._active)
+            )
             return
         if not self.config.memory_saver:
-            await self._flush()
+            await self._flush(wait=True)
             return
+        # SGLang asserts that its scheduler is fully idle before it releases memory (a failed
+        # assertion ends the scheduler process): a flush succeeds only then, so it goes first
+        if not await self._flush(wait=True):
+            raise RuntimeError(
+                f"SGLang engine {self.replica}: KV cache not released: SGLang's scheduler did not become idle "
+                f"(its cache flush was refused{f' for {FLUSH_WAIT_S:g} s' if self._flush_waits else ''})"
+            )
         tags = ["kv_cache", "weights"] if self.config.release_weights else ["kv_cache"]
         await self._tm.release_memory_occupation(self._io.ReleaseMemoryOccupationReqInput(tags=tags), None)
         self._kv_released = True
@@ -547,18 +611,24 @@ class SGLangEngine:
 
     async def set_version(self, version: int) -> None:
         """Finish a weight update: the radix cache (KV computed with the old weights) is
-        flushed; tokens generated from now on carry ``version``."""
+        flushed (waiting for SGLang to be idle; immediate while ``in_place`` keeps requests,
+        then retried when idle); tokens generated from now on carry ``version``."""
         self._require_started("set_version")
         if self._weights_dirty:
-            if not await self._flush():
+            if not await self._flush(wait=not self._frozen):
                 # in_place: the paused requests hold KV; flushed when SGLang is next idle
                 self._cache_stale = True
                 log.warning("SGLang engine %s could not flush its radix cache (requests in it); retrying when idle", self.replica)
             self._weights_dirty = False
         self._version = int(version)
 
-    async def _flush(self) -> bool:
-        out = await self._tm.flush_cache()
+    async def _flush(self, *, wait: bool) -> bool:
+        """Flush SGLang's radix cache; ``wait``: let SGLang wait up to ``FLUSH_WAIT_S`` for its
+        scheduler to be idle first (immediate on SGLang releases without that)."""
+        if wait and self._flush_waits:
+            out = await self._tm.flush_cache(timeout_s=FLUSH_WAIT_S)
+        else:
+            out = await self._tm.flush_cache()
         ok = bool(getattr(out, "success", out))
         if not ok:
             self._flushes_refused += 1
@@ -603,6 +673,107 @@ class SGLangEngine:
     def _require_started(self, what: str) -> None:
         if not self._started or self._closed:
             raise RuntimeError(f"SGLangEngine.{what}: call `await engine.start()` first")
+
+
+STOP_WAIT_S = 60.0
+"""How long :func:`_stop_sglang` waits for SGLang's killed processes to be gone (SGLang: 60 s)."""
+
+
+def _stop_sglang(sgl: Any) -> None:
+    """What ``sglang.Engine.shutdown`` (0.5.17) does, its processes only. Its last step,
+    ``kill_process_tree(os.getpid(), include_parent=False)``, SIGKILLs every child of this
+    process: other replicas' SGLang schedulers, vLLM engine cores. Here: stop its subprocess
+    watchdog (which would otherwise answer the deaths below with SIGQUIT to this process),
+    close its RPC socket, stop its weight-cache daemons (SIGTERM first, as it does), then
+    SIGKILL the processes it started (``get_all_child_pids``: schedulers, data-parallel
+    controller, detokenizer) with their descendants, wait until they are gone, and drop the
+    ``atexit`` hook that would run ``Engine.shutdown`` at exit. An SGLang without
+    ``get_all_child_pids`` gets its own ``shutdown``."""
+    child_pids = getattr(sgl, "get_all_child_pids", None)
+    if child_pids is None:
+        log.warning("this SGLang cannot name its own processes: its shutdown kills every child of this process")
+        sgl.shutdown()
+        return
+    watchdog = getattr(getattr(sgl, "tokenizer_manager", None), "_subprocess_watchdog", None)
+    if watchdog is not None:
+        watchdog.stop()
+    rpc = getattr(sgl, "send_to_rpc", None)
+    if rpc is not None:
+        rpc.close(linger=0)
+        sgl.send_to_rpc = None
+    daemons = getattr(sgl, "_weight_cache_daemon_procs", None)
+    if daemons:
+        sgl._terminate_weight_cache_daemons(daemons)
+        sgl._weight_cache_daemon_procs = []
+    pids = _process_tree([int(p) for p in child_pids()])
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while True:
+        left = [pid for pid in pids if _running(pid)]
+        if not left:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"SGLang's processes {left} still there {STOP_WAIT_S:g} s after SIGKILL")
+        time.sleep(0.05)
+    atexit.unregister(sgl.shutdown)
+
+
+def _process_tree(pids: list[int]) -> list[int]:
+    """``pids`` and all their descendants (from ``/proc``; SGLang runs on Linux only)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat is not None:
+                children.setdefault(int(stat[1]), []).append(int(entry))
+    out: list[int] = []
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out.append(pid)
+            todo.extend(children.get(pid, []))
+    return out
+
+
+def _stat(pid: int) -> list[str] | None:
+    """State, parent pid, ... of ``/proc/PID/stat`` (after the command's name); None: gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _running(pid: int) -> bool:
+    """Not gone and not a zombie (a zombie holds no memory; its parent reaps it)."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
+@contextlib.contextmanager
+def _root_logging_kept(sglang_level: str) -> Any:
+    """Keep this process's root logger through SGLang's start: its ``configure_logger`` runs
+    ``logging.basicConfig(force=True)`` here, which closes and replaces the root handlers and
+    sets the root level to SGLang's ``log_level``. The handlers are taken off the root logger
+    meanwhile (so they are not closed), put back with the level after, and SGLang's loggers in
+    this process get its level on the ``sglang`` logger instead."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    for handler in handlers:
+        root.removeHandler(handler)
+    try:
+        yield
+    finally:
+        for handler in list(root.handlers):  # SGLang's
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
+        with contextlib.suppress(ValueError, TypeError):
+            logging.getLogger("sglang").setLevel(sglang_level.upper())
 
 
 def _swallow(task: asyncio.Task[Any]) -> None:

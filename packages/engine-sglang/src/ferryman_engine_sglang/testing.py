@@ -5,8 +5,8 @@ SGLang cannot run here (CPU-only CI), so :class:`FakeSGLangEngine` stands in for
 with the part of its interface that ferryman uses: ``async_generate`` (SGLang's keyword
 arguments; unknown ones are a TypeError, unknown sampling-parameter keys too), and a
 ``tokenizer_manager`` with ``abort_request``, ``pause_generation``, ``continue_generation``,
-``flush_cache``, ``update_weights_from_tensor``, ``release_memory_occupation``,
-``resume_memory_occupation`` and ``context_len``; :data:`FAKE_IO` holds request objects with
+``flush_cache`` (with 0.5.17's ``timeout_s``: wait for the scheduler to be idle), ``update_weights_from_tensor``, ``release_memory_occupation``,
+``resume_memory_occupation``, ``context_len`` and ``max_req_input_len``; :data:`FAKE_IO` holds request objects with
 the fields of SGLang's ``io_struct`` classes. It answers the way SGLang 0.5.11-0.5.17 does
 where the engine depends on it, including the awkward parts:
 
@@ -14,10 +14,14 @@ where the engine depends on it, including the awkward parts:
   ``{"type": "abort", "message": ...}``), ``completion_tokens``, ``cached_tokens``,
   ``output_token_logprobs`` as ``(log-prob, token id, None)``; streamed answers hold the whole
   output so far, except a streamed abort of a waiting request, which holds the last token only;
+  outputs that came while the caller had not read the last are answered as one, the newest;
 * one token per running request per step (``step_delay_s`` apart) from a deterministic
   pseudo-model whose scores depend on the loaded weights and the last tokens; log-probs are
   those of the temperature-scaled scores before top-k/top-p, raw scores at temperature 0;
   stop tokens (and EOS) are included; ``max_new_tokens`` ends a request with ``length``;
+* the scheduler's length limits: ``max_req_len = min(context_len - 1, max_total_tokens - 1)``,
+  ``max_req_input_len = max_req_len - 5``; a prompt of ``max_req_input_len`` tokens or more is
+  answered with an abort, ``max_new_tokens`` is clipped to ``max_req_len - len(prompt) - 1``;
 * a radix cache at token granularity: ``cached_tokens`` is the longest cached prefix of the
   input (never the whole input); finished and aborted requests are inserted;
 * requests reach the scheduler ``admit_delay_s`` after ``async_generate`` (tokenizing); an
@@ -27,8 +31,16 @@ where the engine depends on it, including the awkward parts:
   aborted runs one more step; a waiting one is answered at once with no tokens;
 * the scheduler's assertions end it (``crashed``; every later call fails): a cache flush
   requested with a weight load while requests are in it, releasing memory while it is not
-  idle, loading weights into released weight memory, stepping with released memory, a
+  fully idle (``idle_lag_s`` after its last step, as SGLang's ``is_fully_idle``), loading weights into released weight memory, stepping with released memory, a
   weight name the model does not know.
+
+Its scheduler is a task of this process, but it starts one real child process (with a child
+of its own) to stand for SGLang's scheduler processes: ``get_all_child_pids`` names it, the
+fake scheduler ends (every later call fails) once it is killed, and ``shutdown`` does what
+SGLang's does: SIGKILL every descendant of the calling process, its own or not.
+
+Constructing it configures logging as SGLang's ``Engine`` does in the calling process:
+``logging.basicConfig(force=True)`` at the ``log_level`` server argument.
 
 The GPU tests run the same engine over real SGLang.
 """
@@ -37,9 +49,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
+import os
 import pickle
 import random
+import signal
+import subprocess
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -132,7 +148,9 @@ class FakeTokenizerManager:
     def __init__(self, engine: FakeSGLangEngine) -> None:
         self._e = engine
         self.context_len = engine.context_len
+        self.max_req_input_len = engine.max_req_len - 5
         self.rid_to_state: dict[str, _Req] = {}
+        self._flush_pending = False
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         self._e.calls.append(("abort_request", rid, abort_all))
@@ -158,9 +176,23 @@ class FakeTokenizerManager:
         self._e._send(lambda: setattr(self._e, "engine_paused", False))
         self._e._wake()
 
-    async def flush_cache(self) -> Any:
+    async def flush_cache(self, timeout_s: float | None = None) -> Any:
         e = self._e
         e._check_alive()
+        e.flush_timeouts.append(timeout_s)
+        if self._flush_pending:
+            e.calls.append(("flush_cache", False))
+            return SimpleNamespace(success=False, message="Another flush_cache is already in progress.")
+        if timeout_s and timeout_s > 0 and not e.idle():  # 0.5.17's deferred flush
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + float(timeout_s)
+            self._flush_pending = True
+            try:
+                while not e.idle() and loop.time() < deadline:
+                    await asyncio.sleep(0.001)
+                    e._check_alive()
+            finally:
+                self._flush_pending = False
         ok = e.idle()
         e.calls.append(("flush_cache", ok))
         if ok:
@@ -214,6 +246,15 @@ class FakeTokenizerManager:
             e.released.discard(tag)
 
 
+class FakeWatchdog:
+    """Stands in for SGLang's ``SubprocessWatchdog`` (``stop()`` only)."""
+
+    stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
 class FakeSGLangEngine:
     """Test double for ``sglang.Engine`` (see the module docstring)."""
 
@@ -225,12 +266,18 @@ class FakeSGLangEngine:
         initial_weights: dict[str, float],
         eos_id: int = 2,
         context_len: int = 512,
+        max_total_tokens: int = 65536,
         step_delay_s: float = 0.002,
         admit_delay_s: float = 0.001,
         num_layers: int = 2,
         experts_per_token: int = 2,
         abort_semantics: str = "0.5.11",
+        idle_lag_s: float = 0.0,
     ) -> None:
+        # as SGLang's Engine does in the calling process (configure_logger)
+        logging.basicConfig(
+            level=getattr(logging, str(server_args.get("log_level", "info")).upper()), format="[%(asctime)s] %(message)s", force=True
+        )
         self.server_args = dict(server_args)
         self.tp_size = int(server_args.get("tp_size", 1))
         self.vocab_size = vocab_size
@@ -238,6 +285,9 @@ class FakeSGLangEngine:
         """Parameter name to checksum (sum of the tensor) of what was loaded."""
         self.eos_id = eos_id
         self.context_len = context_len
+        self.max_total_tokens = max_total_tokens
+        """Size of the KV cache pool in tokens."""
+        self.max_req_len = min(context_len - 1, max_total_tokens - 1)
         self.step_delay_s = step_delay_s
         self.admit_delay_s = admit_delay_s
         self.num_layers = num_layers
@@ -246,9 +296,15 @@ class FakeSGLangEngine:
         """``0.5.11``: an abort that reaches the scheduler before its request is lost.
         ``0.5.17``: the tokenizer manager marks the request and ends it with an error before
         sending it on (``RequestAbortedError``)."""
+        self.idle_lag_s = idle_lag_s
+        """The scheduler is fully idle only this long after its last step (SGLang: its last
+        batch and the overlap scheduler's result queue are cleared a loop iteration later)."""
+        self._busy_until = 0.0
         self.tokenizer_manager = FakeTokenizerManager(self)
         self.calls: list[tuple[Any, ...]] = []
         """Control calls in order: ("abort_request", rid, abort_all), ("flush_cache", ok), ..."""
+        self.flush_timeouts: list[float | None] = []
+        """The ``timeout_s`` of every ``flush_cache`` call."""
         self.generate_kwargs: list[dict[str, Any]] = []
         """The keyword arguments of every ``async_generate`` call."""
         self.prefix_aborted: list[tuple[str, str]] = []
@@ -261,9 +317,16 @@ class FakeSGLangEngine:
         self.engine_paused = False
         self.crashed: str | None = None
         self.steps = 0
-        self.shut_down = False
+        self._shut_down = False
         self._task: asyncio.Task[None] | None = None
         self._work: asyncio.Event | None = None
+        # its "scheduler process", with a child of its own (ends with this process: stdin EOF)
+        self._procs = [
+            subprocess.Popen(
+                ["sh", "-c", "exec 3<&0; cat <&3 & wait"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+        ]
+        self.tokenizer_manager._subprocess_watchdog = FakeWatchdog()
         self._unpaused: asyncio.Event | None = None
 
     @classmethod
@@ -331,6 +394,8 @@ class FakeSGLangEngine:
         self._wake()
 
     def _check_alive(self) -> None:
+        if self.shut_down:
+            raise SchedulerCrashed("fake SGLang scheduler process is gone")
         if self.crashed is not None:
             raise SchedulerCrashed(f"fake SGLang scheduler is dead: {self.crashed}")
 
@@ -343,7 +408,9 @@ class FakeSGLangEngine:
         raise SchedulerCrashed(f"fake SGLang scheduler: {why}")
 
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        if self.waiting or self.running:
+            return False
+        return self._task is None or asyncio.get_running_loop().time() >= self._busy_until
 
     def _match(self, ids: list[int]) -> int:
         best = 0
@@ -401,9 +468,12 @@ class FakeSGLangEngine:
     async def _run(self) -> None:
         assert self._work is not None
         while True:
+            if self._scheduler_gone():
+                return
             if self.crashed or self.engine_paused or not (self.waiting or self.running):
                 self._work.clear()
-                await self._work.wait()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._work.wait(), 0.05)
                 continue
             await asyncio.sleep(self.step_delay_s)
             if self.crashed or self.engine_paused:
@@ -413,6 +483,7 @@ class FakeSGLangEngine:
                     self._crash(f"stepped with released memory {sorted(self.released)}")
                 continue
             self.steps += 1
+            self._busy_until = asyncio.get_running_loop().time() + self.idle_lag_s
             for req in self.waiting:  # prefill
                 req.cached = self._match(req.input_ids)
                 req.running = True
@@ -509,13 +580,27 @@ class FakeSGLangEngine:
                 return
             self._check_alive()
             req.in_scheduler = True
-            self.waiting.append(req)
+            # the scheduler's handle_generate_request: clip max_new_tokens, refuse long prompts
+            room = self.max_req_len - len(req.input_ids) - 1
+            req.sp["max_new_tokens"] = max(0, min(int(req.sp.get("max_new_tokens", 128)), room))
+            limit = self.tokenizer_manager.max_req_input_len
+            if len(req.input_ids) >= limit:
+                message = f"Input length ({len(req.input_ids)} tokens) exceeds the maximum allowed length ({limit} tokens)."
+                self._answer(req, {"type": "abort", "message": message, "status_code": 400, "err_type": "BadRequestError"})
+            else:
+                self.waiting.append(req)
             self._wake()
-            last = None
-            while True:
+            last, done = None, False
+            while not done:
                 item = await req.queue.get()
                 if item is None:
                     break
+                while not req.queue.empty():  # SGLang answers the newest of the outputs waiting
+                    more = req.queue.get_nowait()
+                    if more is None:
+                        done = True
+                        break
+                    item = more
                 if req.stream:
                     yield item
                 last = item
@@ -526,7 +611,37 @@ class FakeSGLangEngine:
         finally:
             self.tokenizer_manager.rid_to_state.pop(req.rid, None)
 
+    def _scheduler_gone(self) -> bool:
+        """Its scheduler process was killed: the fake scheduler ends (within 50 ms)."""
+        if all(p.poll() is None for p in self._procs):
+            return False
+        self._shut_down = True
+        for req in self.waiting + self.running:
+            req.finished = True
+            req.queue.put_nowait(None)
+        self.waiting, self.running = [], []
+        return True
+
+    @property
+    def shut_down(self) -> bool:
+        """Shut down, or its scheduler process is gone."""
+        return self._shut_down or any(p.poll() is not None for p in self._procs)
+
+    def get_all_child_pids(self) -> list[int]:
+        """The processes it started (``sglang.Engine.get_all_child_pids``)."""
+        return [p.pid for p in self._procs]
+
     def shutdown(self) -> None:
-        self.shut_down = True
+        """As ``sglang.Engine.shutdown``: stop the watchdog, then SIGKILL every descendant of
+        this process (``kill_process_tree(os.getpid(), include_parent=False)``), its own or not."""
+        self.tokenizer_manager._subprocess_watchdog.stop()
+        from ferryman_engine_sglang.engine import _process_tree
+
+        for pid in _process_tree([os.getpid()])[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for p in self._procs:
+            p.wait()
+        self._shut_down = True
         if self._task is not None:
             self._task.get_loop().call_soon_threadsafe(self._task.cancel)
