@@ -182,54 +182,33 @@ class ThreadCore:
         return bool(core is not None and (core.scheduler.has_requests() or getattr(core, "batch_queue", None)))
 
     async def _pump(self) -> None:
-        """Step while there is work. The next step is handed to the core thread *before* the
-        outputs of the last one are given out, so the GPU runs step k+1 while the event loop
-        runs step k's callbacks (and whatever they wake); stepping and handing out one after
-        the other left the GPU idle for the whole hand-over, ~2.5 ms a step with 128 requests on
-        the H200 (bench/results/engine.md). Order is kept: outputs are given out step by step, a
-        request's in order, and a call into vLLM (add, abort, sleep, weight load) runs on the
-        same thread between two steps as before; ``freeze`` waits for the step in flight, whose
-        outputs are given out before it returns, and no step starts after it."""
-        assert self._loop is not None and self._ex is not None
-        pending: asyncio.Future[tuple[list[tuple[str, Delta | BaseException]], bool]] | None = None
-        marker = self._last_add
         while True:
-            if pending is None:
-                await self._work.wait()
-                if self._frozen:
-                    self._work.clear()
-                    continue
-                marker = self._last_add
-                pending = self._loop.run_in_executor(self._ex, self._step)
+            await self._work.wait()
+            if self._frozen:
+                self._work.clear()
+                continue
+            marker = self._last_add
             try:
-                results, more = await pending
+                results, more = await self._call(self._step)
             except Exception as exc:  # noqa: BLE001 - the engine failed: fail every request
-                pending = None
                 log.exception("vLLM engine step failed")
                 for rid in list(self._live):
                     self._live.discard(rid)
                     self._on_error(rid, RuntimeError(f"vLLM engine step failed: {exc!r}"))
                 self._work.clear()
                 continue
-            pending = None
-            if (more or marker != self._last_add) and not self._frozen:
-                marker = self._last_add
-                pending = self._loop.run_in_executor(self._ex, self._step)
-            self._hand_out(results)
-            if pending is None and not self._frozen and marker == self._last_add:
+            for rid, item in results:
+                if rid not in self._live:
+                    continue
+                if isinstance(item, BaseException):
+                    self._live.discard(rid)
+                    self._on_error(rid, item)
+                    continue
+                if item.finish_reason is not None:
+                    self._live.discard(rid)
+                self._on_delta(rid, item)
+            if not more and marker == self._last_add:
                 self._work.clear()
-
-    def _hand_out(self, results: list[tuple[str, Delta | BaseException]]) -> None:
-        for rid, item in results:
-            if rid not in self._live:
-                continue
-            if isinstance(item, BaseException):
-                self._live.discard(rid)
-                self._on_error(rid, item)
-                continue
-            if item.finish_reason is not None:
-                self._live.discard(rid)
-            self._on_delta(rid, item)
 
     # ------------------------------------------------------------------ requests
     async def add(self, rid: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
