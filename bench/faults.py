@@ -44,6 +44,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ferryman.defaults.trackers import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, W, N = 8, 2, 2
 
@@ -107,16 +109,7 @@ def ferryman(args: list[str], faults: str | None = None, kill_after: float | Non
 
 
 def rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    return read_metrics(run_dir)
 
 
 def summary(run_dir: Path) -> dict:

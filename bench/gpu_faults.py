@@ -44,6 +44,8 @@ import sys
 import time
 from pathlib import Path
 
+from ferryman.defaults.trackers import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_TITLE = re.compile(rb"^ray::EngineActor\b")
 
@@ -82,16 +84,7 @@ def kill_session(sid: int, wait_s: float = 30.0) -> list[int]:
 
 
 def read_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            pass
-    return rows
+    return read_metrics(run_dir)
 
 
 class Phase:

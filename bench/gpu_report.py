@@ -24,6 +24,8 @@ import json
 import sys
 from pathlib import Path
 
+from ferryman.defaults.trackers import read_metrics
+
 KEYS = [
     ("generated tokens/s (per step, mean)", "perf/generated_tokens_per_s", "mean"),
     ("generation pause per sync, s (mean)", "sync/generation_pause_s", "mean"),
@@ -57,16 +59,7 @@ def _fmt(v: float | None) -> str:
 
 
 def load_rows(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:  # a line torn by a kill
-                continue
+    rows = read_metrics(run)  # a line torn by a kill is skipped
     # one row per step, the last written (a resumed run rewrites the steps after its checkpoint)
     by_step = {r["step"]: r for r in rows if "step" in r}
     return [by_step[s] for s in sorted(by_step)] if by_step else rows

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import socket
 import sys
 import time
 from pathlib import Path
@@ -60,12 +59,6 @@ def buckets_of(named, limit_bytes):
     if cur:
         out.append(cur)
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def tensor_path(engine, weights, bucket_bytes, repeats):
@@ -103,7 +96,9 @@ async def distributed_path(engine, weights, bucket_bytes, repeats):
     tm = engine._sgl.tokenizer_manager
     on1 = [(n, t.to("cuda:1")) for n, t in weights]
     buckets = buckets_of(on1, bucket_bytes)
-    port = _free_port()
+    from ferryman.cluster.connect import free_port
+
+    port = free_port()
     group = "ferryman_bench"
     obj = io.InitWeightsUpdateGroupReqInput(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=group, backend="nccl")
     torch.cuda.set_device(1)

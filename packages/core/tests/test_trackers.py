@@ -168,3 +168,18 @@ def test_console_line_has_step_of_total_rate_eta_and_a_bar_on_a_terminal(monkeyp
     t.log({}, step=60)  # 10 steps in 30 s, 40 to go
     line = out.getvalue()
     assert "[" not in line and "step  60/100" in line and "ETA 2m00s" in line
+
+
+def test_read_metrics_gives_the_rows_written_and_skips_a_torn_line(tmp_path):
+    from ferryman.defaults.trackers import JsonlTracker, read_metrics
+
+    assert read_metrics(tmp_path) == []  # no file yet
+    t = JsonlTracker(tmp_path / "metrics.jsonl")
+    t.log({"a": 1.0}, step=1)
+    t.log({"a": 2.0}, step=2)
+    t.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "a": 3.')  # a kill in the middle of a line
+    rows = read_metrics(tmp_path)
+    assert [(r["step"], r["a"]) for r in rows] == [(1, 1.0), (2, 2.0)]
+    assert read_metrics(tmp_path / "metrics.jsonl") == rows

@@ -26,6 +26,26 @@ class JsonlTrackerConfig(PluginConfig):
     filename: str = "metrics.jsonl"
 
 
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` as :class:`JsonlTracker` wrote them, in file order: a run
+    directory's ``metrics.jsonl``, or the file itself. A line torn by a kill is skipped; no file,
+    no rows. (A resumed run has each step once: the tracker drops the lines after its
+    checkpoint's step before it appends.)"""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return rows
+
+
 class JsonlTracker:
     """Appends one line per step: a JSON object (a non-finite value is written as ``null`` and
     counted in ``metrics/nonfinite``, as JSON has no NaN). ``resume_step``: a run resumed from the checkpoint of that
