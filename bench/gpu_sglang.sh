@@ -17,21 +17,11 @@ set -u
 export FERRYMAN_SITE=${FERRYMAN_SITE:-/root/site-sg}
 source "$(dirname "$0")/gpu_common.sh"
 cd "$ROOT" || exit 1
-# as packages/engine-sglang/tools/gpu_env.sh: torch's CUDA 13 libraries on LD_LIBRARY_PATH for
-# torch_memory_saver's LD_PRELOAD hook in SGLang's scheduler processes (it needs
-# libcudart.so.13, no RUNPATH); CUDA_HOME for the JIT kernels (nvcc, c++, ninja are on PATH)
-CU13_LIB=$(python3 -c 'import importlib.util as u, os; s = u.find_spec("torch"); print(os.path.join(os.path.dirname(os.path.dirname(s.origin)), "nvidia", "cu13", "lib") if s and s.origin else "")' 2>/dev/null)
-if [ -n "$CU13_LIB" ] && [ -d "$CU13_LIB" ]; then
-  case ":${LD_LIBRARY_PATH:-}:" in
-    *":$CU13_LIB:"*) ;;
-    *) export LD_LIBRARY_PATH="$CU13_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
-  esac
-else
-  echo "gpu_sglang.sh: no nvidia/cu13/lib beside torch; torch_memory_saver's hook may not load" >&2
-fi
-if [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then
-  export CUDA_HOME=/usr/local/cuda
-fi
+# SGLang's settings (CUDA_HOME for its JIT kernels; torch's CUDA 13 libraries on LD_LIBRARY_PATH
+# for torch_memory_saver's hook in its scheduler processes), as its package's tools set them
+# shellcheck disable=SC1091
+source "$ROOT/packages/engine-sglang/tools/gpu_env.sh"
+sglang_lib_env
 python3 -c "import sglang, sglang.srt.entrypoints.engine; print('sglang', sglang.__version__)" 2>&1 | tail -3
 if [ "${TESTS:-1}" = 1 ]; then
   timeout -s KILL "${T_TESTS:-300}" python3 -m pytest -q -rA -m gpu -p no:cacheprovider --durations=15 \
