@@ -18,7 +18,7 @@ from ferryman.tiny import build_tiny_model  # noqa: E402
 from ferryman.types import SamplingParams  # noqa: E402
 from ferryman_engine_vllm.config import VLLMEngineConfig  # noqa: E402
 from ferryman_engine_vllm.cores import delta_from_output  # noqa: E402
-from ferryman_engine_vllm.engine import VLLMEngine, make_vllm_engine  # noqa: E402
+from ferryman_engine_vllm.engine import VLLMEngine, _Request, make_vllm_engine  # noqa: E402
 from ferryman_engine_vllm.testing import FakeVLLMCore  # noqa: E402
 from ferryman.engine_checks import check_bucket, read_checkpoint_spec  # noqa: E402
 from ferryman_engine_vllm.worker import decode_item, encode_bucket  # noqa: E402
@@ -193,6 +193,33 @@ def test_delta_from_vllm_output_shape():
     comp.logprobs = None
     with pytest.raises(RuntimeError, match="log-probs"):
         delta_from_output(out)
+
+
+def test_routed_experts_of_the_last_output_are_the_whole_sequence():
+    """vLLM 0.24 sets CompletionOutput.routed_experts only with the last output: the prompt's
+    routing and one position per decode step ([prompt + generated - 1, layers, top_k])."""
+    import numpy as np
+
+    from ferryman_engine_vllm.cores import Delta
+
+    lp = SimpleNamespace
+    prompt, gen = 4, [5, 9, 2]
+    routed = np.arange((prompt + len(gen) - 1) * 2 * 2, dtype=np.int32).reshape(-1, 2, 2)
+    comp = SimpleNamespace(token_ids=[2], logprobs=[{2: lp(logprob=-0.3)}], finish_reason="stop", routed_experts=routed)
+    d = delta_from_output(SimpleNamespace(outputs=[comp], finished=True, num_cached_tokens=0))
+    assert d.routed_experts == routed.tolist() and len(d.routed_experts) == prompt + len(gen) - 1
+    # the engine keeps the latest list whole (never appends): a later list replaces it
+    engine = VLLMEngine(VLLMEngineConfig(), model_path="unused")
+    loop = asyncio.new_event_loop()
+    try:
+        req = _Request("r", "r", prompt, loop.create_future())
+        engine._requests["r"] = req
+        engine._on_delta("r", Delta([5], [-0.1], routed_experts=[[[0, 1], [0, 1]]]))
+        engine._on_delta("r", Delta([9, 2], [-0.2, -0.3], "stop", routed_experts=d.routed_experts))
+        out = req.future.result()
+    finally:
+        loop.close()
+    assert out.token_ids == gen and out.routed_experts == routed.tolist()
 
 
 # ---------------------------------------------------------------------- engine logic

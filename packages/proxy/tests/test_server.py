@@ -510,11 +510,18 @@ async def test_engine_failure_is_5xx_and_changes_nothing(tokenizer, http):
 async def test_routed_experts_travel_with_the_tokens(tokenizer, http):
     from ferryman.types import TokenOutput
 
+    prompts = []
+
     class MoE:
+        """Routing of the whole sequence it ran (prompt + answer, less the last token), each
+        position's experts derived from its token and index, as an engine reports it."""
+
         async def generate(self, request_id, prompt_ids, params):
+            prompts.append(list(prompt_ids))
             ids = tokenizer.encode("ok", add_special_tokens=False) + [EOS]
+            seq = list(prompt_ids) + ids
             return TokenOutput(token_ids=ids, log_probs=[-1.0] * len(ids), versions=[3] * len(ids),
-                               routed_experts=[[i, i + 1] for i in range(len(ids))])
+                               routed_experts=[[[tok, i]] for i, tok in enumerate(seq[:-1])])
 
     async with ProxyServer(tokenizer=tokenizer, client=MoE()) as server:
         sess = server.open_session("r", SamplingParams(max_tokens=4))
@@ -523,9 +530,19 @@ async def test_routed_experts_travel_with_the_tokens(tokenizer, http):
         await post(http, sess, {"messages": msgs + [out["choices"][0]["message"], {"role": "user", "content": "y"}]})
         t = (await server.close_session(sess)).trajectories[0]
     routed = t.extra["routed_experts"]
-    assert len(routed) == len(t.response_ids)
-    assert all((r is not None) == bool(m) for r, m in zip(routed, t.response_mask))
+    full = t.prompt_ids + t.response_ids
+    # the second turn's routing superseded the first's: every position it ran, aligned with the
+    # trajectory's tokens, up to (not including) its last token; the backfilled tail is not run
+    assert len(prompts) == 2 and full[: len(prompts[1])] == prompts[1]
+    assert routed == [[[tok, i]] for i, tok in enumerate(full[: len(routed)])]
+    last_model = max(i for i, m in enumerate(t.response_mask) if m) + len(t.prompt_ids)
+    assert len(routed) == last_model
     assert [v for v, m in zip(t.token_versions, t.response_mask) if m] == [3] * sum(t.response_mask)
+    from ferryman.batch import build_train_batch
+    from ferryman.types import Sample
+
+    batch = build_train_batch([Sample("u", 0, [t])], pad_token_id=0)
+    assert batch.meta["routed_experts"].shape == (1, len(full), 1, 2)
 
 
 async def test_required_tool_choice_without_a_call_is_counted(proxy, http):

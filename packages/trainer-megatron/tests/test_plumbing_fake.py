@@ -78,3 +78,27 @@ def test_factory_without_megatron_fails_with_one_line_naming_the_extra(tmp_path)
         make_megatron_trainer(MegatronTrainerConfig(), model_path=str(tmp_path))
     msg = str(info.value)
     assert "\n" not in msg and "ferryman-trainer-megatron[megatron]" in msg
+
+
+def test_a_built_batch_with_routed_experts_goes_through(tmp_path):
+    """build_train_batch's meta['routed_experts'] ([B, T, layers, top-k]) survives the backend's
+    micro-batching (the fake runs a dense model: nothing is replayed)."""
+    from ferryman.batch import build_train_batch
+    from ferryman.types import Sample, TokenOutput, Trajectory
+
+    model_dir = build_tiny_model(tmp_path / "tiny", vocab_size=VOCAB)
+    backend = make(model_dir, AlgorithmConfig(), micro_batch_max_tokens=12)
+    try:
+        trajs = []
+        for r, (prompt, answer) in enumerate([([3, 4, 5], [6, 7, 8, 9]), ([10, 11], [12, 13])]):
+            t = Trajectory(request_id=f"t{r}", prompt_ids=prompt)
+            seq = prompt + answer
+            t.append_model_tokens(TokenOutput(answer, [-1.0] * len(answer), [0] * len(answer),
+                                              routed_experts=[[[i % 4, (i + 1) % 4]] * 2 for i in range(len(seq) - 1)]))
+            trajs.append(t)
+        batch = build_train_batch([Sample("u", 0, trajs)], pad_token_id=0)
+        assert batch.meta["routed_experts"].shape == (*batch.input_ids.shape, 2, 2)
+        lp = backend.compute_log_probs(batch)
+        assert lp.shape == batch.input_ids.shape and torch.isfinite(lp).all()
+    finally:
+        backend.close()

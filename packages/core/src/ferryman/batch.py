@@ -7,12 +7,15 @@ per-token tensor is [B, T] and aligned with ``input_ids``: position t describes 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
-from ferryman.types import Sample
+from ferryman.types import Sample, Trajectory
+
+log = logging.getLogger(__name__)
 
 _PER_ROW = (
     "input_ids",
@@ -35,7 +38,9 @@ _PER_ROW = (
 PER_ROW_META = ("routed_experts",)
 """``meta`` entries that hold one value per row and token (``[B, T, ...]``): :meth:`TrainBatch.select`
 takes their rows and trims their tokens like the per-token fields (``routed_experts``: the
-experts a MoE engine chose, ``[B, T, moe layers, top-k]``, replayed by a trainer)."""
+experts a MoE engine chose, ``[B, T, layers, top-k]``, replayed by a trainer; filled by
+:func:`build_train_batch` with the layers as the engine reports them, vLLM and SGLang: every
+hidden layer, a dense layer's entries 0)."""
 
 
 @dataclass
@@ -153,8 +158,55 @@ def split_groups(group_index: torch.Tensor, n: int) -> list[list[int]]:
     return [rows for rows in out if rows]
 
 
+def _routed_experts(rows: list[tuple[int, Trajectory]], width: int) -> torch.Tensor | None:
+    """``meta["routed_experts"]`` of :func:`build_train_batch`, or None (see there)."""
+    lists = [t.extra.get("routed_experts") for _, t in rows]
+    if any(r is None for r in lists):
+        return None
+    shapes = set()
+    for (_, t), routed in zip(rows, lists):
+        # needed: every position before the last model token (its log-prob is read there)
+        last = max((i for i, m in enumerate(t.response_mask) if m), default=None)
+        need = 0 if last is None else len(t.prompt_ids) + last
+        if len(routed) < need or len(routed) > len(t.prompt_ids) + len(t.response_ids):
+            log.warning(
+                "build_train_batch: trajectory %s has routed experts for %d positions, %d needed, %d tokens: "
+                "meta['routed_experts'] left out", t.request_id, len(routed), need, len(t.prompt_ids) + len(t.response_ids))
+            return None
+        if routed:
+            shapes.add(tuple(torch.as_tensor(routed[0]).shape))
+    if len(shapes) > 1 or any(len(shape) != 2 for shape in shapes):
+        raise ValueError(f"build_train_batch: routed experts of different shapes [layers, top-k] in one batch: {sorted(shapes)}")
+    if not shapes:
+        return None  # no position reported anywhere: nothing to replay
+    (layers, k), = shapes
+    out = torch.empty((len(rows), width, layers, k), dtype=torch.long)
+    for r, routed in enumerate(lists):
+        n = len(routed)
+        if n:
+            out[r, :n] = torch.as_tensor(routed, dtype=torch.long)
+            out[r, n:] = out[r, n - 1]
+        else:
+            out[r] = torch.arange(k, dtype=torch.long)
+    return out
+
+
 def build_train_batch(samples: list[Sample], pad_token_id: int) -> TrainBatch:
-    """Pack the trajectories of ``samples`` (each a GRPO group) into a TrainBatch."""
+    """Pack the trajectories of ``samples`` (each a GRPO group) into a TrainBatch.
+
+    ``meta["routed_experts"]`` (MoE, for a trainer's router replay) is filled when EVERY
+    trajectory has ``extra["routed_experts"]`` (per position of ``prompt_ids + response_ids``
+    from 0, ``[positions][layers][top-k]``: :attr:`TokenOutput.routed_experts`, set by
+    :meth:`Trajectory.append_model_tokens` and the proxy) covering at least every position
+    before its last model token: a long ``[B, T, layers, top-k]`` tensor aligned with
+    ``input_ids``. Positions a list does not reach (the last generated token, which the engine
+    never ran, observation tokens after the last model token, and right padding) repeat the
+    last reported position's experts: they influence no trained log-prob (causal attention) and
+    stay valid, distinct expert ids. If any trajectory lacks the list, or one does not cover
+    the positions it needs (logged), the entry is left out: a trainer asked for router replay
+    then fails on the missing meta (Megatron: ``trainer.router_replay: the batch has no
+    meta['routed_experts']``). Lists of different ``[layers, top-k]`` shapes are a ValueError.
+    """
     rows = []
     runs: list[int] = []
     run_ids: dict[tuple[int, str], int] = {}
@@ -190,7 +242,7 @@ def build_train_batch(samples: list[Sample], pad_token_id: int) -> TrainBatch:
     run_index = torch.tensor(runs, dtype=torch.long)
     row_tokens = loss_mask.sum(-1)
     run_tokens = torch.zeros(len(run_ids), dtype=torch.float32).index_add_(0, run_index, row_tokens)[run_index]
-    return TrainBatch(
+    batch = TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
@@ -202,3 +254,7 @@ def build_train_batch(samples: list[Sample], pad_token_id: int) -> TrainBatch:
         run_index=run_index,
         run_tokens=run_tokens,
     )
+    routed = _routed_experts(rows, width)
+    if routed is not None:
+        batch.meta["routed_experts"] = routed
+    return batch

@@ -5,7 +5,9 @@ releases the replica in ``finally`` without making the caller wait. Under partia
 ``aborted`` answer (a weight sync cut the generation) is resumed transparently: the prompt plus
 the tokens so far are sent again under the same request id (same replica, prefix cache reused),
 the budget shrinks by what was already generated, and the pieces are merged with their
-log-probs and per-token versions. The env sees one ``generate()`` call.
+log-probs and per-token versions. ``routed_experts`` (MoE) is per position of the whole
+sequence a piece ran (its prompt holds the earlier pieces' tokens), so the latest piece that
+reports it supersedes the earlier ones. The env sees one ``generate()`` call.
 
 Streaming (optional): ``generate(..., on_tokens=sink)`` delivers the merged generation to
 ``sink`` as it grows (:mod:`ferryman.streaming`): piece by piece as the engine produces them
@@ -51,7 +53,7 @@ class _Piece:
         self.log_probs.extend(delta.log_probs)
         self.versions.extend(delta.versions)
         if delta.routed_experts is not None:
-            self.routed = (self.routed or []) + list(delta.routed_experts)
+            self.routed = list(delta.routed_experts)  # the whole sequence so far: supersedes
         self.sink(delta)
 
     def output(self) -> TokenOutput:
@@ -148,7 +150,7 @@ class ServerClient:
         if len(out.token_ids) > n:
             rest = TokenOutput(
                 out.token_ids[n:], out.log_probs[n:], out.versions[n:],
-                routed_experts=list(out.routed_experts[n:]) if out.routed_experts is not None else None,
+                routed_experts=list(out.routed_experts) if out.routed_experts is not None else None,
             )
             piece.sink(rest)
 
@@ -186,7 +188,10 @@ class ServerClient:
             merged.log_probs.extend(out.log_probs)
             merged.versions.extend(out.versions)
             if out.routed_experts is not None:
-                merged.routed_experts = (merged.routed_experts or []) + list(out.routed_experts)
+                # the piece's prompt held the earlier pieces' tokens: its routing covers them too
+                # (TokenOutput.routed_experts), so it replaces theirs; a piece without routing
+                # (an abort the engine did not report it for) keeps the earlier, shorter list
+                merged.routed_experts = list(out.routed_experts)
             if pieces == 1:
                 merged.num_cached_prompt_tokens = out.num_cached_prompt_tokens
             merged.replica = out.replica

@@ -52,11 +52,14 @@ def copy_output(out: TokenOutput) -> TokenOutput:
 
 
 def concat_outputs(first: TokenOutput | None, second: TokenOutput | None) -> TokenOutput:
-    """``first`` followed by ``second`` (either may be None); stop reason of the later one."""
+    """``first`` followed by ``second`` (either may be None); stop reason of the later one.
+    ``second`` resumed ``first`` (its prompt held ``first``'s tokens), so its routed experts,
+    when it has them, cover both and are kept instead of ``first``'s."""
     if first is None:
         return copy_output(second) if second is not None else TokenOutput()
     if second is None:
         return copy_output(first)
+    routed = second.routed_experts if second.routed_experts is not None else first.routed_experts
     return TokenOutput(
         token_ids=first.token_ids + second.token_ids,
         log_probs=first.log_probs + second.log_probs,
@@ -65,6 +68,7 @@ def concat_outputs(first: TokenOutput | None, second: TokenOutput | None) -> Tok
         num_cached_prompt_tokens=first.num_cached_prompt_tokens,
         replica=second.replica or first.replica,
         num_aborts=first.num_aborts + second.num_aborts,
+        routed_experts=None if routed is None else list(routed),
     )
 
 

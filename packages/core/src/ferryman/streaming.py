@@ -6,7 +6,9 @@ An engine opts in by accepting a keyword argument ``on_tokens`` in ``generate``:
 
 ``on_tokens(delta)`` is called on the engine's event loop, without awaiting, with a
 :class:`~ferryman.types.TokenOutput` holding the tokens produced since the last call (their
-``log_probs``, ``versions`` and, when the engine gives them, ``routed_experts``; its
+``log_probs``, ``versions`` and, when the engine gives them, ``routed_experts``: unlike the
+tokens, the routing of the WHOLE sequence so far, prompt included
+(:attr:`~ferryman.types.TokenOutput.routed_experts`), superseding any earlier delta's; its
 ``stop_reason`` means nothing). The rules:
 
 * every token delivered is in the returned output, at the same position, in the same order;

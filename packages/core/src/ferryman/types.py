@@ -64,6 +64,16 @@ class TokenOutput:
     versions: list[int] = field(default_factory=list)
     stop_reason: StopReason = "stop"
     routed_experts: list[Any] | None = None
+    """MoE models, when the engine reports it: the experts each position was routed to,
+    ``[positions][layers][top-k]`` (ints; ``layers`` as the engine counts them, vLLM and SGLang:
+    the model's ``num_hidden_layers``). Position ``i`` is token ``i`` of the sequence the engine
+    ran for THIS call: the call's ``prompt_ids`` followed by ``token_ids``, from position 0. The
+    engine runs a forward on every token but the last generated one, so a complete list has
+    ``len(prompt_ids) + len(token_ids) - 1`` entries; it may be shorter (positions past its end
+    were not reported), never longer. A call that resumes an earlier one (the server client,
+    :mod:`ferryman.replay`) sends the earlier tokens as part of its prompt, so its list covers
+    them too and SUPERSEDES the earlier list instead of extending it; a streamed delta's list,
+    when set, likewise covers everything so far. ``None``: not reported."""
     num_cached_prompt_tokens: int = 0
     replica: str | None = None
     num_aborts: int = 0
@@ -105,13 +115,25 @@ class Trajectory:
     counts them as one run (``TrainBatch.run_index``)."""
 
     def append_model_tokens(self, out: TokenOutput) -> None:
-        """Append a generation: mask 1, its log-probs and versions."""
+        """Append a generation: mask 1, its log-probs and versions.
+
+        With ``out.routed_experts`` it also becomes ``extra["routed_experts"]`` (the routing of
+        ``prompt_ids + response_ids`` from position 0, see :attr:`TokenOutput.routed_experts`):
+        right when the generation's prompt was this trajectory's tokens so far, as in the usual
+        multi-turn loop. A list longer than the trajectory cannot be its routing and is dropped
+        (with any earlier one); a generation without routing leaves the earlier list, which
+        then covers only a prefix."""
         self.response_ids.extend(out.token_ids)
         self.response_mask.extend([1] * len(out.token_ids))
         self.rollout_log_probs.extend(out.log_probs)
         self.token_versions.extend(out.versions)
         self.num_aborts += out.num_aborts
         self.stop_reason = out.stop_reason
+        if out.routed_experts is not None:
+            if len(out.routed_experts) <= len(self.prompt_ids) + len(self.response_ids):
+                self.extra["routed_experts"] = list(out.routed_experts)
+            else:
+                self.extra.pop("routed_experts", None)
 
     def append_observation(self, token_ids: list[int]) -> None:
         """Append tokens the policy did not produce (tool output, template glue): mask 0."""

@@ -369,6 +369,8 @@ class SGLangEngine:
         self._hit_tokens += int(meta.get("cached_tokens") or 0)
         routed = meta.get("routed_experts")
         if routed is not None:
+            # the piece's whole sequence (its input_ids hold the earlier pieces' tokens):
+            # replaces an earlier piece's (TokenOutput.routed_experts)
             req.routed_experts = self._decode_routed(routed)
         finish = meta.get("finish_reason")
         kind = finish.get("type") if isinstance(finish, dict) else finish

@@ -46,6 +46,12 @@ class Delta:
     num_cached_tokens: int | None = None
     """Prompt tokens served from the prefix cache (reported once, with the first tokens)."""
     routed_experts: Any = None
+    """``[positions][layers][top_k]`` of the WHOLE sequence, not of this delta: vLLM 0.24 sets
+    ``CompletionOutput.routed_experts`` only on a request's last output (``finished``, an
+    ``AsyncLLM`` abort included; DELTA kind or not), the concatenation of the prompt's routing
+    (from prefill) and one position per decode step: ``prompt + generated - 1`` positions
+    (``TokenOutput.routed_experts``). An abort through ``LLMEngine`` (:class:`ThreadCore`)
+    gets no final output from vLLM, so its delta has none."""
 
 
 OnDelta = Callable[[str, Delta], None]

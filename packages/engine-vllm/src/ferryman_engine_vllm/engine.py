@@ -232,7 +232,7 @@ class VLLMEngine:
             self._hit_tokens += delta.num_cached_tokens - req.cached
             req.cached = delta.num_cached_tokens
         if delta.routed_experts is not None:
-            req.routed_experts = delta.routed_experts
+            req.routed_experts = delta.routed_experts  # the whole sequence's (Delta.routed_experts)
         if delta.finish_reason is None:
             return
         reason = _REASONS.get(delta.finish_reason)

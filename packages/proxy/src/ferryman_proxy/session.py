@@ -87,13 +87,16 @@ class _Segment:
     answer_start: int
     """Response length before the last answer's model tokens (where a retry rewinds to)."""
     routed: list[Any] | None = None
+    """Routed experts (MoE) per position of ``prompt_ids + response_ids`` from 0, as the last
+    turn that reported them returned them (``TokenOutput.routed_experts``: its prompt was this
+    segment's tokens so far); shorter than the segment past that turn's last model token."""
     turns: int = 0
 
     def truncate(self, n: int) -> None:
         t = self.traj
         del t.response_ids[n:], t.response_mask[n:], t.rollout_log_probs[n:], t.token_versions[n:]
         if self.routed is not None:
-            del self.routed[n:]
+            del self.routed[len(t.prompt_ids) + n :]
 
     def full_ids(self) -> list[int]:
         return self.traj.prompt_ids + self.traj.response_ids
@@ -380,8 +383,6 @@ class Session:
                 kept, text = cut
                 n = len(kept)
                 ids, lps, vers = ids[:n], lps[:n], vers[:n]
-                if routed is not None:
-                    routed = routed[:n]
                 stop_cut = True
                 self.counters["stop_string_cuts"] += 1
 
@@ -431,8 +432,6 @@ class Session:
             assert seg is not None
             seg.truncate(len(seg.traj.response_ids) - seg.pending)
             seg.traj.append_observation(plan.observation)
-            if seg.routed is not None:
-                seg.routed.extend([None] * len(plan.observation))
             if plan.reason == "full":
                 self.counters["full_retokenizations"] += 1
         else:
@@ -440,18 +439,16 @@ class Session:
             seg.truncate(seg.answer_start)
             self.counters["retries"] += 1
         seg.answer_start = len(seg.traj.response_ids)
-        if routed is not None and seg.routed is None:
-            seg.routed = [None] * len(seg.traj.response_ids)
+        if routed is not None:
+            # this turn's prompt (plan.prompt_ids) is the segment's tokens so far: the routing
+            # covers them and the answer (cut at a stop string: its positions past the cut go)
+            seg.routed = routed[: len(plan.prompt_ids) + len(ids)]
         seg.traj.append_model_tokens(
             TokenOutput(token_ids=ids, log_probs=lps, versions=vers, stop_reason=out.stop_reason, num_aborts=out.num_aborts)
         )
-        if seg.routed is not None:
-            seg.routed.extend(routed if routed is not None else [None] * len(ids))
         wrote_end = bool(ids) and ids[-1] == ct.turn_end_id
         backfill = ([] if wrote_end else [ct.turn_end_id]) + list(ct.tail_ids)
         seg.traj.append_observation(backfill)
-        if seg.routed is not None:
-            seg.routed.extend([None] * len(backfill))
         seg.pending = len(backfill)
         seg.model_wrote_end = wrote_end
         seg.messages = [*req.messages, answer]
