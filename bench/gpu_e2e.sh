@@ -25,8 +25,9 @@
 # 0.5B shape with its AdamW state is ~6 GB), CONFIG (default examples/gpu/one_gpu.yaml),
 # RUN_NAME (the run directory's name under $WORK, default one_gpu), MODEL (the model directory,
 # default $WORK/qwen2.5-0.5b-random), WITHIN_S (the reward goal's
-# seconds of training, default 300; 0.8 of the maximum), TL_STEPS (the timeline's steps), TITLE
-# (the reward chart's).
+# seconds of training, default 300; 0.8 of the maximum), TL_STEPS (the timeline's steps), TL_TITLE
+# (the timeline's title: say the engines and trainer, e.g. "one H200: SGLang x2 + FSDP2, cuda_ipc,
+# mode (d)"), TITLE (the reward chart's).
 set -u
 source "$(dirname "$0")/gpu_common.sh"
 cd "$ROOT" || exit 1
@@ -69,7 +70,7 @@ t0 = json.load(open(sys.argv[2]))['started_at']
 mine = [r['step'] for r in rows if r['time'] >= t0]
 print(f'{max(mine[0], mine[-1] - 19)}:{mine[-1]}' if mine else '')" "$RUN/metrics.jsonl" "$RUN/run.json" 2>/dev/null)}
 [ -n "$range" ] && steps=(--steps "$range")
-"${FERRYMAN[@]}" timeline "$RUN" ${steps[@]+"${steps[@]}"} -o "$OUT/timeline.png" --titles "one H200: vLLM x2 + FSDP2, cuda_ipc, mode (d)${PART:+, part $PART}" > "$WORK/timeline.json" 2>&1 || tail -3 "$WORK/timeline.json"
+"${FERRYMAN[@]}" timeline "$RUN" ${steps[@]+"${steps[@]}"} -o "$OUT/timeline.png" --titles "${TL_TITLE:-one H200: vLLM x2 + FSDP2, cuda_ipc, mode (d)}${PART:+, part $PART}" > "$WORK/timeline.json" 2>&1 || tail -3 "$WORK/timeline.json"
 python3 bench/gpu_report.py "$RUN" --min-syncs 10 --reward-share 0.8 --within-s "$WITHIN_S" \
   --plot "$OUT/reward.png" --title "${TITLE:-sequence (32 digits), random Qwen2.5-0.5B shape, one H200}" | tee "$OUT/report.txt"
 gzip -c "$WORK/train.log" > "$OUT/train.log.gz"

@@ -10,7 +10,8 @@
 # WHEEL_DIR must hold the SGLang set (`tools/gpu_wheels.py download --extra sglang`); it pins
 # other versions than the vLLM set (transformers 5.12.1, openai 2.6.1), so it goes into a site of
 # its own (FERRYMAN_SITE). The pipeline with SGLang engines (run 2) is bench/gpu_e2e.sh:
-#   CONFIG=examples/gpu/one_gpu_sglang.yaml RUN_NAME=one_gpu_sglang bench/gpu_e2e.sh
+#   CONFIG=examples/gpu/one_gpu_sglang.yaml RUN_NAME=one_gpu_sglang \
+#     TL_TITLE="one H200: SGLang x2 + FSDP2, cuda_ipc, mode (d)" bench/gpu_e2e.sh
 # $OUT gets: sglang_tests.txt, engine.json, engine.txt. TESTS=0 / BENCH=0 skip a part;
 # T_TESTS / T_BENCH bound them; ENGINES picks the bench rows.
 set -u
