@@ -8,7 +8,7 @@
 #   OUT=/some/dir WHEEL_DIR=/root/wsg FERRYMAN_SITE=/root/site-sg bench/gpu_sglang.sh
 #
 # WHEEL_DIR must hold the SGLang set (`tools/gpu_wheels.py download --extra sglang`); it pins
-# other versions than the vLLM set (transformers 5.12.1, openai 2.6.1), so it goes into a site of
+# other versions than the vLLM set (transformers 5.12.1 among them), so it goes into a site of
 # its own (FERRYMAN_SITE). The pipeline with SGLang engines (run 2) is bench/gpu_e2e.sh:
 #   CONFIG=examples/gpu/one_gpu_sglang.yaml RUN_NAME=one_gpu_sglang \
 #     TL_TITLE="one H200: SGLang x2 + FSDP2, cuda_ipc, mode (d)" bench/gpu_e2e.sh
