@@ -301,9 +301,8 @@ class MegatronRuntime:
                                           use_distributed_optimizer=self.config.use_distributed_optimizer),
             module=module,
         )
-        c = self.config
         optim = get_megatron_optimizer(
-            OptimizerConfig(**optimizer_config_kwargs(c, critic=critic, params_dtype=tconf.params_dtype)), [ddp])
+            OptimizerConfig(**optimizer_config_kwargs(self.config, critic=critic, params_dtype=tconf.params_dtype)), [ddp])
         tolerate_torch_adam_step(optim)
         ddp.eval()
         return _Handle(role, ddp, module, optim, tconf)
