@@ -6,6 +6,7 @@ test_contract.py, for both transports)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 
 import pytest
@@ -309,3 +310,25 @@ def test_config_is_checked_and_errors_name_the_field():
 async def test_cuda_buffers_without_a_gpu_is_a_clear_error(engines, make_transport):
     with pytest.raises(ValueError, match="weight_sync.device: 'cuda' needs a GPU"):
         await make_transport(device="cuda").transfer(iter([]), engines, 1)
+
+
+def test_storage_device_position_with_torch_and_with_sglangs_wrapper():
+    """The receiver overwrites the producer's device index in a reduced CUDA tensor's arguments.
+    SGLang's engine processes replace torch's rebuild_cuda_tensor by a ``(*args)`` wrapper
+    (sglang.srt.utils.patch_torch): the position must then still be torch's."""
+    from torch.multiprocessing import reductions
+
+    real = reductions.rebuild_cuda_tensor
+    at = ipc.storage_device_arg(real)
+    assert list(inspect.signature(real).parameters)[at] == "storage_device"
+
+    def wrapper(*args):  # what SGLang installs in place of torch's
+        return real(*args)
+
+    assert ipc.storage_device_arg(wrapper) == at
+
+    def unknown(a, b, c):
+        return a
+
+    with pytest.raises(ValueError, match="storage device"):
+        ipc.storage_device_arg(unknown)

@@ -232,10 +232,28 @@ def open_buffers(params: dict[str, Any], device: torch.device, replica: str) -> 
         args = list(args)
         # the producer's device index means nothing here (CUDA_VISIBLE_DEVICES may differ):
         # the GPU was matched by UUID
-        args[list(inspect.signature(fn).parameters).index("storage_device")] = device.index
+        args[storage_device_arg(fn)] = device.index
         with torch.cuda.device(device):
             out.append(fn(*args))
     return out
+
+
+# where torch.multiprocessing.reductions.rebuild_cuda_tensor takes the storage's device: (tensor_cls,
+# tensor_size, tensor_stride, tensor_offset, storage_cls, dtype, storage_device, ...)
+_STORAGE_DEVICE_ARG = 6
+
+
+def storage_device_arg(fn: Any) -> int:
+    """The position of ``storage_device`` among the arguments of ``fn``, the rebuild function
+    of a reduced CUDA tensor. In SGLang's engine processes torch's ``rebuild_cuda_tensor`` is
+    replaced by a wrapper of ``(*args)`` that passes them on (``sglang.srt.utils.patch_torch``),
+    so the name is not always in the signature; the position is then torch's."""
+    names = list(inspect.signature(fn).parameters)
+    if "storage_device" in names:
+        return names.index("storage_device")
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in inspect.signature(fn).parameters.values()):
+        return _STORAGE_DEVICE_ARG
+    raise ValueError(f"cuda_ipc: cannot find the storage device among the arguments of {fn!r}")
 
 
 def _nonce_bytes(buf: torch.Tensor) -> bytes:
