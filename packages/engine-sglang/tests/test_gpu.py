@@ -320,6 +320,57 @@ async def test_weights_from_gpu_buffer_views(sgl_engine, chat, own_weights, othe
     assert after.token_ids == before.token_ids
 
 
+# a process that owns a CUDA buffer and hands it out as torch's reduced CUDA tensor (what the
+# trainer side of cuda_ipc does), until its stdin closes
+_SHARE_BUFFER = """
+import base64, pickle, sys, torch
+from torch.multiprocessing.reductions import reduce_tensor
+buf = torch.zeros(int(sys.argv[1]), dtype=torch.float32, device="cuda")
+torch.cuda.synchronize()
+print(base64.b64encode(pickle.dumps(reduce_tensor(buf))).decode(), flush=True)
+sys.stdin.read()
+"""
+
+
+async def test_weights_from_a_buffer_received_over_cuda_ipc(sgl_engine, chat, own_weights, other_weights):
+    """cuda_ipc's receivers hand over views of memory opened from the trainer's process, which
+    torch refuses to share again with SGLang's schedulers unless copied (run 2 failed on it)."""
+    import base64
+    import pickle
+    import subprocess
+    import sys
+
+    engine = sgl_engine
+    prompt = chat("Say 5.")
+    before = await engine.generate("ipc-before", prompt, greedy(12))
+    v = await engine.get_version()
+    n = sum(t.numel() for _, t in other_weights)
+    owner = subprocess.Popen([sys.executable, "-c", _SHARE_BUFFER, str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(owner.stdout.readline), 120)
+        fn, args = pickle.loads(base64.b64decode(line))
+        buf = fn(*args)  # opened from the other process's memory
+        await engine.pause(abort=True)
+        await engine.release_kv_cache()
+        for weights in (other_weights, own_weights):
+            off, views = 0, []
+            for name, t in weights:
+                view = buf[off : off + t.numel()].view(t.shape)
+                view.copy_(t)
+                views.append((name, view))
+                off += t.numel()
+            await engine.load_weights(views)
+        await engine.set_version(v + 1)
+        await engine.resume_kv_cache()
+        await engine.resume()
+        after = await engine.generate("ipc-after", prompt, greedy(12))
+        assert after.token_ids == before.token_ids
+        del buf, views
+    finally:
+        owner.stdin.close()
+        owner.wait(60)
+
+
 async def test_bad_weights_change_nothing(sgl_engine, chat, own_weights):
     engine = sgl_engine
     prompt = chat("Say 3.")

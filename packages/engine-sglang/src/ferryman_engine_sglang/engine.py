@@ -784,13 +784,17 @@ def _swallow(task: asyncio.Task[Any]) -> None:
 
 
 def _on_gpu(bucket: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """CPU tensors are copied to this process's GPU first: CUDA tensors cross to SGLang's
-    schedulers as IPC handles, CPU tensors would go through shared-memory file descriptors."""
+    """The bucket as tensors of this process's GPU memory: they cross to SGLang's schedulers as
+    CUDA IPC handles (CPU tensors would go through shared-memory file descriptors). CUDA
+    tensors are copied too: those of a ``cuda_ipc`` sync are views of memory this process
+    received from the trainer's, which torch refuses to share again ("Attempted to send CUDA
+    tensor received from another process"). One bucket's worth of GPU memory, held until SGLang
+    has loaded it."""
     import torch
 
-    if not torch.cuda.is_available() or all(t.is_cuda for _, t in bucket):
+    if not torch.cuda.is_available():
         return bucket
     device = torch.device("cuda", torch.cuda.current_device())
-    out = [(name, t if t.is_cuda else t.to(device)) for name, t in bucket]
+    out = [(name, t.clone() if t.is_cuda else t.to(device)) for name, t in bucket]
     torch.cuda.current_stream().synchronize()
     return out
