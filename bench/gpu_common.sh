@@ -29,7 +29,15 @@ fi
 FERRYMAN=(python3 -m ferryman.cli)
 # what the machine is, once, for the record
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, vllm, ray, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"
+  # the engines' packages that this site has (the SGLang set has no vLLM, and the other way round)
+  python3 -c "
+import importlib.metadata as m
+for name in ('torch', 'vllm', 'sglang', 'megatron-core', 'ray', 'transformers'):
+    try:
+        print(name, m.version(name), end='  ')
+    except m.PackageNotFoundError:
+        pass
+print()"
 } > "$WORK/machine.txt" 2>&1
 
 # Time limits that hold for a whole process tree. A command started by `run_limited` runs in a
