@@ -72,6 +72,51 @@ def test_peak_memory_reports_this_process_rss():
     assert ("trainer_device_peak_gb" in m) == (torch.cuda.is_available() and torch.cuda.is_initialized())
 
 
+def test_process_tree_holds_children_and_grandchildren_only():
+    import os
+    import subprocess
+    import sys
+
+    grandchild = "import time; time.sleep(60)"
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {grandchild!r}]); "
+         "print(p.pid, flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        gpid = int(child.stdout.readline())
+        tree = fm.process_tree(child.pid)
+        assert tree == {child.pid, gpid}
+        mine = fm.process_tree(os.getpid())
+        assert {os.getpid(), child.pid, gpid, other.pid} <= mine  # a new session is still a child
+        assert fm.process_tree(other.pid) == {other.pid}
+        assert 1 not in mine or os.getpid() == 1
+        # NVML's pid -> bytes: only the tree's count
+        used = {child.pid: 5 * 2**20, gpid: 7 * 2**20, other.pid: 100 * 2**20, 999_999_999: 1}
+        assert fm.tree_device_bytes(child.pid, used) == 12 * 2**20
+        assert fm.tree_device_bytes(child.pid, None) == 0 and fm.tree_device_bytes(child.pid, {}) == 0
+    finally:
+        for p in (child, other):
+            p.kill()
+            p.wait()
+        try:
+            os.kill(gpid, 9)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+
+
+def test_nvml_figure_is_absent_without_nvml():
+    import importlib.util
+
+    if importlib.util.find_spec("pynvml") is None:
+        assert fm.nvml_process_bytes() is None
+        assert "trainer_device_used_gb" not in fm.peak_memory("trainer")
+    else:  # a machine with nvidia-ml-py: a dict, or None without a driver
+        got = fm.nvml_process_bytes()
+        assert got is None or all(isinstance(p, int) and b > 0 for p, b in got.items())
+
+
 def test_run_report_summary():
     r = fm.RunReport()
     r.update({"reward/mean": 0.1, "sync/generation_pause_s": 0.5, "memory/trainer_rss_peak_gb": 1.0, "trainer/idle_ratio": 0.4})

@@ -215,8 +215,9 @@ class EngineHandle:
     async def peak_memory(self) -> dict[str, float]:
         """Peak memory of the process this replica runs in (:func:`ferryman.metrics.peak_memory`,
         keys ``engine_rss_peak_gb`` and, on a GPU, ``engine_device_peak_gb``). An engine that
-        runs its model in child processes (vLLM's ``core: process``, tensor parallel) has its
-        device memory there, which this does not see."""
+        runs its model in child processes (SGLang, vLLM's ``core: process``, tensor parallel)
+        has its device memory there, which ``engine_device_peak_gb`` does not see and
+        ``engine_device_used_gb`` (NVML, over the process tree) does."""
         if self._actor is not None:
             return await self._actor.peak_memory.remote()
         from ferryman.metrics import peak_memory

@@ -5,8 +5,10 @@ summary of what every run reports). Plain functions over tensors and Samples."""
 from __future__ import annotations
 
 import math
+import os
 import resource
 import sys
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -128,15 +130,108 @@ def peak_memory(prefix: str) -> dict[str, float]:
     """This process's peak memory in GiB: ``{prefix}_rss_peak_gb`` (peak resident set size,
     ``getrusage``) always, and ``{prefix}_device_peak_gb`` (``torch.cuda.max_memory_allocated``,
     the CUDA caching allocator's peak over the process's devices) when the process uses CUDA.
-    The trainer reports them as ``memory/trainer_*``, each engine replica as
-    ``memory/engine_*/<replica>``."""
+    Where NVML is installed (``nvidia-ml-py``, which vLLM and SGLang bring) and lists this
+    process or one of its descendants, also ``{prefix}_device_used_gb``: the GPU memory the
+    driver holds for the whole process tree now, which counts what the caching allocator does
+    not see (an engine's scheduler or worker processes, SGLang's and vLLM's ``process`` core;
+    CUDA contexts; memory pools outside torch's allocator). The trainer reports them as
+    ``memory/trainer_*``, each engine replica as ``memory/engine_*/<replica>``; the run report
+    keeps the largest value of each."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss_bytes = rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
     out = {f"{prefix}_rss_peak_gb": rss_bytes / 2**30}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         peak = sum(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count()))
         out[f"{prefix}_device_peak_gb"] = peak / 2**30
+        used = _tree_device_used()
+        if used:
+            out[f"{prefix}_device_used_gb"] = used / 2**30
     return out
+
+
+# the process tree's NVML figure, read at most every _USED_EVERY_S (the trainer reports memory
+# every step; walking /proc and asking the driver takes milliseconds on a busy machine)
+_USED_EVERY_S = 10.0
+_used_cache: tuple[float, int] | None = None
+
+
+def _tree_device_used() -> int:
+    global _used_cache
+    now = time.monotonic()
+    if _used_cache is None or now - _used_cache[0] >= _USED_EVERY_S:
+        _used_cache = (now, tree_device_bytes(os.getpid(), nvml_process_bytes()))
+    return _used_cache[1]
+
+
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and every live descendant of it (Linux ``/proc``; only ``pid`` elsewhere)."""
+    children: dict[int, list[int]] = defaultdict(list)
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {pid}
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 1:
+            children[int(fields[1])].append(int(entry))
+    tree, todo = {pid}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in tree:
+                tree.add(child)
+                todo.append(child)
+    return tree
+
+
+def tree_device_bytes(pid: int, used: dict[int, int] | None) -> int:
+    """GPU bytes of ``used`` (pid -> bytes, as NVML lists them) that belong to ``pid``'s tree."""
+    if not used:
+        return 0
+    return sum(b for p, b in used.items() if p in process_tree(pid))
+
+
+def nvml_process_bytes() -> dict[int, int] | None:
+    """pid -> GPU bytes summed over the machine's GPUs, from NVML's compute and graphics
+    process lists; None without NVML (``nvidia-ml-py``) or a driver. Pids are the driver's: in a
+    container with a pid namespace of its own they may not be this namespace's, and then no
+    process of ours matches (the caller reports nothing rather than a wrong figure)."""
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver, or NVML refused here
+        return None
+    try:
+        used: dict[int, int] = defaultdict(int)
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            seen: set[int] = set()
+            for query in (pynvml.nvmlDeviceGetComputeRunningProcesses, pynvml.nvmlDeviceGetGraphicsRunningProcesses):
+                for proc in query(handle):
+                    # one context listed by both queries counts once; usedGpuMemory is None
+                    # where the driver does not tell (Windows WDDM, some vGPU modes)
+                    if proc.pid in seen or not proc.usedGpuMemory:
+                        continue
+                    seen.add(proc.pid)
+                    used[int(proc.pid)] += int(proc.usedGpuMemory)
+        return dict(used)
+    except Exception:  # NVML_ERROR_* from a query: no figure, never a failed report
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
 
 
 # --------------------------------------------------------------------------- the run report
