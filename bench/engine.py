@@ -9,7 +9,10 @@ engine: start time, wall time of the batch, generated tokens/s, and the ratio.
 
 ``sglang-raw`` is SGLang's own ``Engine.async_generate`` on the same prompts, all in one batch
 call (token ids in, ``return_logprob`` on, as ferryman asks), with the same server arguments as
-the ``sglang`` row: the ratio sglang / sglang-raw is the wrapper's cost. ``vllm-raw`` likewise is
+the ``sglang`` row. ``sglang-raw-each`` is the same with one ``async_generate`` call per prompt, all
+at once, as the wrapper (and any server with many callers) makes them: sglang / sglang-raw-each
+is the wrapper's own cost, sglang-raw-each / sglang-raw what one batch call gains over separate
+requests (the scheduler sees them all in its first step). ``vllm-raw`` likewise is
 vLLM's own offline ``LLM.generate`` (the same ``LLMEngine`` step loop as the ``thread`` core) on
 the same prompts with the ``vllm`` row's engine arguments and sampling parameters (token ids
 in, the sampled token's log-prob out, no detokenizing): vllm / vllm-raw is that wrapper's cost.
@@ -121,8 +124,10 @@ def sglang_config(args: argparse.Namespace):
     )
 
 
-async def run_sglang_raw(prompts: list[list[int]], max_tokens: int, args: argparse.Namespace, model_dir: Path) -> dict:
-    """SGLang's own Engine on the same prompts: one batched async_generate call."""
+async def run_sglang_raw(prompts: list[list[int]], max_tokens: int, args: argparse.Namespace, model_dir: Path, *,
+                         each: bool = False) -> dict:
+    """SGLang's own Engine on the same prompts: one batched async_generate call, or (``each``)
+    one call per prompt, all at once."""
     from ferryman_engine_sglang.api import load_sglang
 
     api = load_sglang()
@@ -133,12 +138,17 @@ async def run_sglang_raw(prompts: list[list[int]], max_tokens: int, args: argpar
     sp = {"max_new_tokens": max_tokens, "temperature": 1.0, "no_stop_trim": True, "skip_special_tokens": False}
     await engine.async_generate(input_ids=prompts[:8], sampling_params={**sp, "max_new_tokens": 8}, return_logprob=True)
     t1 = time.perf_counter()
-    outs = await engine.async_generate(input_ids=prompts, sampling_params=sp, return_logprob=True, logprob_start_len=-1)
+    if each:
+        outs = await asyncio.gather(*[
+            engine.async_generate(input_ids=p, sampling_params=sp, return_logprob=True, logprob_start_len=-1) for p in prompts
+        ])
+    else:
+        outs = await engine.async_generate(input_ids=prompts, sampling_params=sp, return_logprob=True, logprob_start_len=-1)
     wall = time.perf_counter() - t1
     tokens = sum(len(o["output_ids"]) for o in outs)
     await asyncio.to_thread(engine.shutdown)
     return {
-        "engine": "sglang-raw",
+        "engine": "sglang-raw-each" if each else "sglang-raw",
         "start_s": round(started, 1),
         "wall_s": round(wall, 3),
         "generated_tokens": tokens,
@@ -228,8 +238,8 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
             from ferryman_engine_sglang import make_sglang_engine
 
             engine = make_sglang_engine(sglang_config(args), model_path=str(model_dir), replica="bench-sglang", seed=0)
-        elif name == "sglang-raw":
-            res = await run_sglang_raw(prompts, args.max_tokens, args, model_dir)
+        elif name in ("sglang-raw", "sglang-raw-each"):
+            res = await run_sglang_raw(prompts, args.max_tokens, args, model_dir, each=name == "sglang-raw-each")
             free_gpu()
             print(json.dumps(res), flush=True)
             results.append(res)
@@ -240,7 +250,7 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
             cfg = HFEngineConfig(device="cuda", dtype="bfloat16", max_batch_size=args.num_prompts, prefix_cache=False)
             engine = make_hf_engine(cfg, model_path=str(model_dir), replica="bench-hf", seed=0)
         else:
-            raise SystemExit(f"unknown engine {name!r} (vllm, vllm-raw, sglang, sglang-raw, hf)")
+            raise SystemExit(f"unknown engine {name!r} (vllm, vllm-raw, sglang, sglang-raw, sglang-raw-each, hf)")
         res = await run_engine(name, engine, prompts, args.max_tokens)
         del engine
         free_gpu()
@@ -274,6 +284,10 @@ def main() -> None:
         print(f"vllm / vllm-raw tokens/s: {by['vllm']['tokens_per_s'] / by['vllm-raw']['tokens_per_s']:.3f}x")
     if "sglang" in by and "sglang-raw" in by:
         print(f"sglang / sglang-raw tokens/s: {by['sglang']['tokens_per_s'] / by['sglang-raw']['tokens_per_s']:.3f}x")
+    if "sglang" in by and "sglang-raw-each" in by:
+        print(f"sglang / sglang-raw-each tokens/s: {by['sglang']['tokens_per_s'] / by['sglang-raw-each']['tokens_per_s']:.3f}x")
+    if "sglang-raw-each" in by and "sglang-raw" in by:
+        print(f"sglang-raw-each / sglang-raw tokens/s: {by['sglang-raw-each']['tokens_per_s'] / by['sglang-raw']['tokens_per_s']:.3f}x")
     if "sglang" in by and "hf" in by:
         print(f"sglang / hf tokens/s: {by['sglang']['tokens_per_s'] / by['hf']['tokens_per_s']:.1f}x")
     if args.out:

@@ -1,8 +1,9 @@
 #!/bin/bash
 # SGLang on one H200 (issue "GPU runs on one H200", run 5): the engine-sglang GPU tests
 # (EngineContract on real SGLang, tokens and log-probs against transformers, partial rollout,
-# weight loads, radix cache, the pause modes), then bench/engine.py rows sglang, sglang-raw
-# (SGLang's own Engine on the same prompts) on one random Qwen2.5-1.5B-shaped model (hf: ENGINES=sglang,sglang-raw,hf; its row takes minutes). One
+# weight loads, radix cache, the pause modes), then bench/engine.py rows sglang, sglang-raw-each
+# and sglang-raw (SGLang's own Engine on the same prompts: one call per prompt, and one batch
+# call) on one random Qwen2.5-1.5B-shaped model (hf: add ,hf to ENGINES; its row takes minutes). One
 # command, from the repository root:
 #
 #   OUT=/some/dir WHEEL_DIR=/root/wsg FERRYMAN_SITE=/root/site-sg bench/gpu_sglang.sh
@@ -30,7 +31,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   echo "sglang GPU tests exited with $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed|Error" "$OUT/sglang_tests.txt" | tail -30
 fi
 if [ "${BENCH:-1}" = 1 ]; then
-  timeout -s KILL "${T_BENCH:-300}" python3 bench/engine.py --engines "${ENGINES:-sglang,sglang-raw}" \
+  timeout -s KILL "${T_BENCH:-360}" python3 bench/engine.py --engines "${ENGINES:-sglang,sglang-raw-each,sglang-raw}" \
     --gpu-memory-utilization 0.3 --out "$OUT/engine.json" > "$OUT/engine.txt" 2>&1
   echo "bench/engine.py exited with $?"; tail -12 "$OUT/engine.txt"
 fi
