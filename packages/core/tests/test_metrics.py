@@ -77,6 +77,8 @@ def test_process_tree_holds_children_and_grandchildren_only():
     import subprocess
     import sys
 
+    from ferryman.cluster.processes import process_tree
+
     grandchild = "import time; time.sleep(60)"
     child = subprocess.Popen(
         [sys.executable, "-c", f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {grandchild!r}]); "
@@ -86,11 +88,11 @@ def test_process_tree_holds_children_and_grandchildren_only():
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:
         gpid = int(child.stdout.readline())
-        tree = fm.process_tree(child.pid)
+        tree = process_tree(child.pid)
         assert tree == {child.pid, gpid}
-        mine = fm.process_tree(os.getpid())
+        mine = process_tree(os.getpid())
         assert {os.getpid(), child.pid, gpid, other.pid} <= mine  # a new session is still a child
-        assert fm.process_tree(other.pid) == {other.pid}
+        assert process_tree(other.pid) == {other.pid}
         assert 1 not in mine or os.getpid() == 1
         # NVML's pid -> bytes: only the tree's count
         used = {child.pid: 5 * 2**20, gpid: 7 * 2**20, other.pid: 100 * 2**20, 999_999_999: 1}

@@ -741,14 +741,15 @@ async def test_shutdown_kills_only_sglangs_own_processes(model_dir, own_state, p
     replica's scheduler, a child of this process started elsewhere, lives on."""
     import subprocess
 
-    from ferryman_engine_sglang.engine import _process_tree, _running
+    from ferryman.cluster.processes import process_tree
+    from ferryman_engine_sglang.engine import _running
 
     sibling = subprocess.Popen(["sleep", "60"])
     (engine, fake), (other, other_fake) = [await started(model_dir, own_state) for _ in range(2)]
     try:
         await engine.generate("x", prompt, greedy(3))
         for _ in range(200):  # the "scheduler" and the child it starts
-            own = _process_tree(fake.get_all_child_pids())
+            own = process_tree(*fake.get_all_child_pids())
             if len(own) == 2:
                 break
             await asyncio.sleep(0.01)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ferryman.cluster.processes import process_tree
 from ferryman.types import Sample, Trajectory
 
 
@@ -163,39 +164,12 @@ def _tree_device_used() -> int:
     return _used_cache[1]
 
 
-def process_tree(pid: int) -> set[int]:
-    """``pid`` and every live descendant of it (Linux ``/proc``; only ``pid`` elsewhere)."""
-    children: dict[int, list[int]] = defaultdict(list)
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return {pid}
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # gone meanwhile
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 1:
-            children[int(fields[1])].append(int(entry))
-    tree, todo = {pid}, [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in tree:
-                tree.add(child)
-                todo.append(child)
-    return tree
-
-
 def tree_device_bytes(pid: int, used: dict[int, int] | None) -> int:
     """GPU bytes of ``used`` (pid -> bytes, as NVML lists them) that belong to ``pid``'s tree."""
     if not used:
         return 0
-    return sum(b for p, b in used.items() if p in process_tree(pid))
+    tree = process_tree(pid)
+    return sum(b for p, b in used.items() if p in tree)
 
 
 def nvml_process_bytes() -> dict[int, int] | None:

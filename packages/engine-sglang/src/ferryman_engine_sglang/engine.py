@@ -54,6 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ferryman.cluster.processes import proc_stat, process_tree
 from ferryman.engine_checks import CheckpointSpec, check_bucket, check_generate_request, read_checkpoint_spec
 from ferryman.streaming import TokenSink, safe_sink
 from ferryman.types import SamplingParams, StopReason, TokenOutput
@@ -707,7 +708,7 @@ def _stop_sglang(sgl: Any) -> None:
     if daemons:
         sgl._terminate_weight_cache_daemons(daemons)
         sgl._weight_cache_daemon_procs = []
-    pids = _process_tree([int(p) for p in child_pids()])
+    pids = process_tree(*(int(p) for p in child_pids()))
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -722,36 +723,9 @@ def _stop_sglang(sgl: Any) -> None:
     atexit.unregister(sgl.shutdown)
 
 
-def _process_tree(pids: list[int]) -> list[int]:
-    """``pids`` and all their descendants (from ``/proc``; SGLang runs on Linux only)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _stat(int(entry))
-            if stat is not None:
-                children.setdefault(int(stat[1]), []).append(int(entry))
-    out: list[int] = []
-    todo = list(pids)
-    while todo:
-        pid = todo.pop()
-        if pid not in out:
-            out.append(pid)
-            todo.extend(children.get(pid, []))
-    return out
-
-
-def _stat(pid: int) -> list[str] | None:
-    """State, parent pid, ... of ``/proc/PID/stat`` (after the command's name); None: gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def _running(pid: int) -> bool:
     """Not gone and not a zombie (a zombie holds no memory; its parent reaps it)."""
-    stat = _stat(pid)
+    stat = proc_stat(pid)
     return stat is not None and stat[0] not in ("Z", "X")
 
 

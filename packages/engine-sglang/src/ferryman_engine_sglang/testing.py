@@ -635,9 +635,9 @@ class FakeSGLangEngine:
         """As ``sglang.Engine.shutdown``: stop the watchdog, then SIGKILL every descendant of
         this process (``kill_process_tree(os.getpid(), include_parent=False)``), its own or not."""
         self.tokenizer_manager._subprocess_watchdog.stop()
-        from ferryman_engine_sglang.engine import _process_tree
+        from ferryman.cluster.processes import process_tree
 
-        for pid in _process_tree([os.getpid()])[1:]:
+        for pid in process_tree(os.getpid()) - {os.getpid()}:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         for p in self._procs:

@@ -9,6 +9,8 @@
   of the engine actors, the trainer and the control plane (Rollouter, MessageQueue).
 * :class:`~ferryman.cluster.rank_group.RayRankGroup` (imported from its module) drives N trainer
   ranks (FSDP, Megatron) as Ray actors in one placement group, as one ``TrainerBackend``.
+* :mod:`ferryman.cluster.processes` reads this machine's process tree from ``/proc`` (an
+  engine's scheduler and workers: their GPU memory, or stopping them).
 """
 
 from ferryman.cluster.capacity import ClusterCapacityError, NodeInfo, check_capacity, cluster_nodes
