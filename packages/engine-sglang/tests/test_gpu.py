@@ -296,16 +296,12 @@ async def test_weight_load_changes_outputs_and_version(sgl_engine, chat, own_wei
     assert max(abs(a - b) for a, b in zip(again.log_probs, before.log_probs)) <= ATOL
 
 
-async def test_weights_from_gpu_buffer_views(sgl_engine, chat, own_weights, other_weights):
-    """What the nccl and cuda_ipc receivers hand over: views into one reused CUDA buffer."""
-    engine = sgl_engine
-    prompt = chat("Say 4.")
-    before = await engine.generate("views-before", prompt, greedy(12))
-    v = await engine.get_version()
-    buf = torch.empty(sum(t.numel() for _, t in other_weights), dtype=torch.float32, device="cuda")  # a receive buffer
+async def _load_through(engine, buf, weight_sets, version: int) -> None:
+    """One weight update as a receiver makes it: each set of weights copied into views of the
+    one buffer ``buf`` (overwritten between sets) and loaded from those views."""
     await engine.pause(abort=True)
     await engine.release_kv_cache()
-    for weights in (other_weights, own_weights):  # the same buffer twice, overwritten between
+    for weights in weight_sets:
         off, views = 0, []
         for name, t in weights:
             view = buf[off : off + t.numel()].view(t.shape)
@@ -313,9 +309,19 @@ async def test_weights_from_gpu_buffer_views(sgl_engine, chat, own_weights, othe
             views.append((name, view))
             off += t.numel()
         await engine.load_weights(views)
-    await engine.set_version(v + 1)
+    await engine.set_version(version)
     await engine.resume_kv_cache()
     await engine.resume()
+
+
+async def test_weights_from_gpu_buffer_views(sgl_engine, chat, own_weights, other_weights):
+    """What the nccl and cuda_ipc receivers hand over: views into one reused CUDA buffer."""
+    engine = sgl_engine
+    prompt = chat("Say 4.")
+    before = await engine.generate("views-before", prompt, greedy(12))
+    v = await engine.get_version()
+    buf = torch.empty(sum(t.numel() for _, t in other_weights), dtype=torch.float32, device="cuda")  # a receive buffer
+    await _load_through(engine, buf, (other_weights, own_weights), v + 1)
     after = await engine.generate("views-after", prompt, greedy(12))
     assert after.token_ids == before.token_ids
 
@@ -350,22 +356,10 @@ async def test_weights_from_a_buffer_received_over_cuda_ipc(sgl_engine, chat, ow
         line = await asyncio.wait_for(asyncio.to_thread(owner.stdout.readline), 120)
         fn, args = pickle.loads(base64.b64decode(line))
         buf = fn(*args)  # opened from the other process's memory
-        await engine.pause(abort=True)
-        await engine.release_kv_cache()
-        for weights in (other_weights, own_weights):
-            off, views = 0, []
-            for name, t in weights:
-                view = buf[off : off + t.numel()].view(t.shape)
-                view.copy_(t)
-                views.append((name, view))
-                off += t.numel()
-            await engine.load_weights(views)
-        await engine.set_version(v + 1)
-        await engine.resume_kv_cache()
-        await engine.resume()
+        await _load_through(engine, buf, (other_weights, own_weights), v + 1)
         after = await engine.generate("ipc-after", prompt, greedy(12))
         assert after.token_ids == before.token_ids
-        del buf, views
+        del buf  # before the owner exits
     finally:
         owner.stdin.close()
         owner.wait(60)
