@@ -248,10 +248,11 @@ def storage_device_arg(fn: Any) -> int:
     of a reduced CUDA tensor. In SGLang's engine processes torch's ``rebuild_cuda_tensor`` is
     replaced by a wrapper of ``(*args)`` that passes them on (``sglang.srt.utils.patch_torch``),
     so the name is not always in the signature; the position is then torch's."""
-    names = list(inspect.signature(fn).parameters)
+    params = list(inspect.signature(fn).parameters.values())
+    names = [p.name for p in params]
     if "storage_device" in names:
         return names.index("storage_device")
-    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in inspect.signature(fn).parameters.values()):
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         return _STORAGE_DEVICE_ARG
     raise ValueError(f"cuda_ipc: cannot find the storage device among the arguments of {fn!r}")
 
