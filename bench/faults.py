@@ -108,10 +108,6 @@ def ferryman(args: list[str], faults: str | None = None, kill_after: float | Non
         return Proc(rc, t0, ended, out.read(), err.read())
 
 
-def rows(run_dir: Path) -> list[dict]:
-    return read_metrics(run_dir)
-
-
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -156,7 +152,7 @@ def crash_trial(res: Result, base_args: list[str], reference: set[str], work: Pa
         res.trials -= 1
         return
     res.injections += 1
-    logged = len(rows(run_dir))
+    logged = len(read_metrics(run_dir))
     second = ferryman(["--resume", str(run_dir)])
     if second.rc != 0:
         raise RuntimeError(f"{res.name}: resume failed (rc {second.rc}):\n{second.stderr[-3000:]}")
@@ -167,7 +163,7 @@ def crash_trial(res: Result, base_args: list[str], reference: set[str], work: Pa
     res.redone.append(max(0, logged - step0))
     res.kept_tokens.append(resumed.get("kept_tokens", 0.0))
     res.restore.append(resumed.get("restore_s", float("nan")))
-    new_rows = [r for r in rows(run_dir) if r["step"] == step0 + 1]
+    new_rows = [r for r in read_metrics(run_dir) if r["step"] == step0 + 1]
     if new_rows:
         res.recovery.append(new_rows[0]["time"] - first.ended)
 
@@ -181,7 +177,7 @@ def survived_trial(res: Result, base_args: list[str], reference: set[str], work:
     res.trials += 1
     s = summary(run_dir)
     res.check(s, reference)
-    step_s = [r["timing/step_s"] for r in rows(run_dir)]
+    step_s = [r["timing/step_s"] for r in read_metrics(run_dir)]
     res.recovery.append(max(step_s) - statistics.median(step_s))
     return s
 
@@ -220,7 +216,7 @@ def main() -> int:
         return 1
     ref = summary(ref_dir)
     reference = set(trained(ref))
-    ref_step = statistics.median(r["timing/step_s"] for r in rows(ref_dir))
+    ref_step = statistics.median(r["timing/step_s"] for r in read_metrics(ref_dir))
     print(f"  {len(reference)} samples, {len(ref['steps'])} steps, {ref['wall_s']:.1f}s, median step {ref_step:.2f}s", flush=True)
 
     faults_list = {
@@ -290,11 +286,11 @@ def main() -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
         rargs = [*base_args, "runtime=ray", "ray_num_cpus=2", f"run_dir={run_dir}"]
         first = ferryman(rargs, "engine.generate@6:replica-1=kill,trainer.step@4=kill")
-        logged = len(rows(run_dir))
+        logged = len(read_metrics(run_dir))
         second = ferryman(["--resume", str(run_dir)])
         s = summary(run_dir)
         uids = trained(s)
-        new_rows = [r for r in rows(run_dir) if r["step"] == s["resumed"]["step"] + 1] if s.get("resumed") else []
+        new_rows = [r for r in read_metrics(run_dir) if r["step"] == s["resumed"]["step"] + 1] if s.get("resumed") else []
         ray_line = (
             f"| a replica's actor, then the trainer's SIGKILLed (local Ray) | `engine.generate@6:replica-1=kill,trainer.step@4=kill` | 1 × 2 "
             f"| {len(reference - set(uids))} | {len(uids) - len(set(uids))} | {max(0, logged - s['resumed']['step'])} "

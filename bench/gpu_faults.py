@@ -83,10 +83,6 @@ def kill_session(sid: int, wait_s: float = 30.0) -> list[int]:
         time.sleep(0.5)
 
 
-def read_rows(run_dir: Path) -> list[dict]:
-    return read_metrics(run_dir)
-
-
 class Phase:
     """One ``ferryman train`` process in its own session, its output appended to ``log``."""
 
@@ -203,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     phase1_end = t_start + 0.55 * args.total_s  # the rest: the stop's checkpoint, the resume
     while first.alive() and time.time() < phase1_end:
         time.sleep(0.5)
-        rows = read_rows(run_dir)
+        rows = read_metrics(run_dir)
         if killed is None and len(rows) >= args.kill_at:
             engines = sorted(pid for pid, cmd in session_procs(first.sid).items() if ENGINE_TITLE.match(cmd))
             if len(engines) != cfg.rollout.num_replicas:
@@ -215,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             event("SIGKILL to an engine replica's actor", pid=killed, after_step=kill_step, engine_pids=engines)
         if killed is not None and len(rows) >= kill_step + args.after_kill and rows[-1].get("sync/lost_replicas", 0) >= 1:
             break
-    rows = read_rows(run_dir)
+    rows = read_metrics(run_dir)
     checks.append(("a replica's actor was SIGKILLed during the run", killed is not None,
                    f"pid {killed} after step {kill_step}" if killed else f"no engine process found by step {len(rows)}"))
     lost = [r.get("sync/lost_replicas", 0) for r in rows[kill_step or 0:]]
@@ -236,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         if stopped_itself:
             event("the run stopped by itself", rc=rc1)
     tail1 = first.tail(15)
-    event("first part ended", rc=rc1, steps_logged=len(read_rows(run_dir)))
+    event("first part ended", rc=rc1, steps_logged=len(read_metrics(run_dir)))
     # `ferryman train` ends a stopped run with "...; checkpoint PATH; continue with: ...", a run
     # that died with "...; resume from PATH with: ferryman train --resume ..."
     m = re.search(r"on request; checkpoint ([^\s;]+)", tail1) or re.search(r"resume from (\S+) with", tail1)
@@ -277,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = sorted(set(uids) - want)
     checks.append(("no sample lost: the trained samples are the admission order's first N x W", not lost_uids and not extra,
                    f"{len(want)} expected" + (f"; missing {lost_uids}" if lost_uids else "") + (f"; unexpected {extra}" if extra else "")))
-    mrows = read_rows(run_dir)
+    mrows = read_metrics(run_dir)
     msteps = [r["step"] for r in mrows]
     checks.append(("metrics.jsonl holds every step once", msteps == list(range(1, args.steps + 1)), f"{len(msteps)} rows"))
     resumed = s.get("resumed") or {}
