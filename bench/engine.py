@@ -16,6 +16,10 @@ requests (the scheduler sees them all in its first step). ``vllm-raw`` likewise 
 vLLM's own offline ``LLM.generate`` (the same ``LLMEngine`` step loop as the ``thread`` core) on
 the same prompts with the ``vllm`` row's engine arguments and sampling parameters (token ids
 in, the sampled token's log-prob out, no detokenizing): vllm / vllm-raw is that wrapper's cost.
+``vllm-stream`` is the ``vllm`` row with ``stream_tokens: true`` (every step's tokens handed
+over, vLLM's DELTA outputs, against the default's one hand-over per request). vLLM's sleep-mode
+memory pool allows one engine per process: run each vllm row in a process of its own
+(``--out`` per row, then ``--table a.json b.json ...`` prints the table and the ratios).
 
     python bench/engine.py --out /tmp/bench-engine.json
     python bench/engine.py --engines vllm --num-prompts 256
@@ -158,11 +162,12 @@ async def run_sglang_raw(prompts: list[list[int]], max_tokens: int, args: argpar
     }
 
 
-def vllm_config(args: argparse.Namespace):
+def vllm_config(args: argparse.Namespace, *, stream: bool = False):
     from ferryman_engine_vllm import VLLMEngineConfig
 
     return VLLMEngineConfig(
         core=args.vllm_core,
+        stream_tokens=stream,
         dtype="bfloat16",
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.prompt_len + args.max_tokens + 16,
@@ -224,10 +229,11 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
     )
     results = []
     for name in args.engines.split(","):
-        if name == "vllm":
+        if name in ("vllm", "vllm-stream"):
             from ferryman_engine_vllm import make_vllm_engine
 
-            engine = make_vllm_engine(vllm_config(args), model_path=str(model_dir), replica="bench-vllm", seed=0)
+            cfg = vllm_config(args, stream=name == "vllm-stream")
+            engine = make_vllm_engine(cfg, model_path=str(model_dir), replica="bench-vllm", seed=0)
         elif name == "vllm-raw":
             res = run_vllm_raw(prompts, args.max_tokens, args, model_dir)
             free_gpu()
@@ -250,7 +256,7 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
             cfg = HFEngineConfig(device="cuda", dtype="bfloat16", max_batch_size=args.num_prompts, prefix_cache=False)
             engine = make_hf_engine(cfg, model_path=str(model_dir), replica="bench-hf", seed=0)
         else:
-            raise SystemExit(f"unknown engine {name!r} (vllm, vllm-raw, sglang, sglang-raw, sglang-raw-each, hf)")
+            raise SystemExit(f"unknown engine {name!r} (vllm, vllm-stream, vllm-raw, sglang, sglang-raw, sglang-raw-each, hf)")
         res = await run_engine(name, engine, prompts, args.max_tokens)
         del engine
         free_gpu()
@@ -271,8 +277,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default="/tmp/ferryman-bench-engine")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="only print the table of these --out files' rows")
     args = ap.parse_args()
-    results = asyncio.run(main_async(args))
+    if args.table:
+        results = [r for f in args.table for r in json.loads(Path(f).read_text())["results"]]
+        args.out = None
+    else:
+        results = asyncio.run(main_async(args))
     by = {r["engine"]: r for r in results}
     print("\n| engine | start (s) | batch wall (s) | generated tokens | tokens/s |")
     print("|---|---|---|---|---|")
@@ -280,8 +291,9 @@ def main() -> None:
         print(f"| {r['engine']} | {r['start_s']} | {r['wall_s']} | {r['generated_tokens']} | {r['tokens_per_s']} |")
     if "vllm" in by and "hf" in by:
         print(f"\nvllm / hf tokens/s: {by['vllm']['tokens_per_s'] / by['hf']['tokens_per_s']:.1f}x")
-    if "vllm" in by and "vllm-raw" in by:
-        print(f"vllm / vllm-raw tokens/s: {by['vllm']['tokens_per_s'] / by['vllm-raw']['tokens_per_s']:.3f}x")
+    for a, b in (("vllm", "vllm-raw"), ("vllm-stream", "vllm-raw"), ("vllm", "vllm-stream")):
+        if a in by and b in by:
+            print(f"{a} / {b} tokens/s: {by[a]['tokens_per_s'] / by[b]['tokens_per_s']:.3f}x")
     if "sglang" in by and "sglang-raw" in by:
         print(f"sglang / sglang-raw tokens/s: {by['sglang']['tokens_per_s'] / by['sglang-raw']['tokens_per_s']:.3f}x")
     if "sglang" in by and "sglang-raw-each" in by:

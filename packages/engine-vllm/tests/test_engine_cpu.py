@@ -46,11 +46,12 @@ def checksums(named):
     return {k: float(v.double().sum().item()) for k, v in named}
 
 
-async def started(model_dir, own_state, eos_id=2, **cfg):
+async def started(model_dir, own_state, eos_id=2, final_only=False, **cfg):
     cores = []
 
     def factory(on_delta, on_error):
-        core = FakeVLLMCore(on_delta, on_error, vocab_size=160, initial_weights=checksums(own_state), eos_id=eos_id)
+        core = FakeVLLMCore(on_delta, on_error, vocab_size=160, initial_weights=checksums(own_state), eos_id=eos_id,
+                            final_only=final_only)
         cores.append(core)
         return core
 
@@ -263,17 +264,19 @@ async def test_loading_other_weights_changes_output_and_stamps(model_dir, own_st
         await engine.shutdown()
 
 
-async def test_partial_rollout_round_trip_matches_uninterrupted(model_dir, own_state, prompt):
+@pytest.mark.parametrize("final_only", [False, True], ids=["streamed", "final-only"])
+async def test_partial_rollout_round_trip_matches_uninterrupted(model_dir, own_state, prompt, final_only):
     """abort mid-generation, resume through the server client: the same greedy tokens, the
-    resumed piece served from the prefix cache, versions recording the update."""
-    engine, core = await started(model_dir, own_state, eos_id=-1)  # no EOS: the whole budget
+    resumed piece served from the prefix cache, versions recording the update; the same when
+    the core reports a request only when it ends (the abort hands over its tokens so far)."""
+    engine, core = await started(model_dir, own_state, eos_id=-1, final_only=final_only)  # no EOS: the whole budget
     try:
         greedy = SamplingParams(max_tokens=48, temperature=0)
         ref = await engine.generate("ref", prompt, greedy)
         assert ref.stop_reason == "length"
         client = ServerClient(LocalRouter(["fake-0"]), {"fake-0": engine}, partial_rollout=True)
         task = asyncio.ensure_future(client.generate("traj", prompt, greedy))
-        while (await engine.stats())["total_generated_tokens"] < len(ref.token_ids) + 10:
+        while (await engine.stats())["in_flight_tokens"] < 10:
             await asyncio.sleep(0.002)
         await engine.pause(abort=True)
         await engine.set_version(1)
@@ -287,12 +290,16 @@ async def test_partial_rollout_round_trip_matches_uninterrupted(model_dir, own_s
         await engine.shutdown()
 
 
-async def test_keep_mode_freezes_and_continues_in_the_same_call(model_dir, own_state, prompt):
-    engine, core = await started(model_dir, own_state, eos_id=-1, pause_mode="keep")
+@pytest.mark.parametrize("final_only", [False, True], ids=["streamed", "final-only"])
+async def test_keep_mode_freezes_and_continues_in_the_same_call(model_dir, own_state, prompt, final_only):
+    """the tokens made before the update carry the old version, those after it the new one,
+    whether the core streams them or hands them over once at the end (then ``freeze`` tells
+    how many the old weights made)"""
+    engine, core = await started(model_dir, own_state, eos_id=-1, pause_mode="keep", final_only=final_only)
     try:
         greedy = SamplingParams(max_tokens=40, temperature=0)
         task = asyncio.ensure_future(engine.generate("kept", prompt, greedy))
-        while (await engine.stats())["total_generated_tokens"] < 10:
+        while (await engine.stats())["in_flight_tokens"] < 10:
             await asyncio.sleep(0.002)
         await engine.pause(abort=True)
         frozen_at = len(core.requests["kept#0"].tokens)
@@ -305,7 +312,7 @@ async def test_keep_mode_freezes_and_continues_in_the_same_call(model_dir, own_s
         await engine.resume()
         out = await asyncio.wait_for(task, 30)
         assert out.stop_reason == "length" and len(out.token_ids) == 40 and out.num_aborts == 0
-        assert out.versions[:frozen_at] == [0] * frozen_at and set(out.versions[frozen_at:]) <= {1}
+        assert out.versions == [0] * frozen_at + [1] * (40 - frozen_at) and 10 <= frozen_at < 40
         assert ("sleep", 1) not in core.calls
         assert ("reset_prefix_cache", True) in core.calls  # frozen KV recomputed with new weights
         assert (await engine.stats())["num_aborted"] == 0

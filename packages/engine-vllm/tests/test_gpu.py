@@ -209,9 +209,8 @@ async def test_partial_rollout_round_trip_same_tokens(vllm_engine, chat):
     client = ServerClient(LocalRouter([engine.replica]), {engine.replica: engine}, partial_rollout=True)
     v0 = await engine.get_version()
     hits0 = (await engine.stats())["prefix_cache_hit_tokens"]
-    start = (await engine.stats())["total_generated_tokens"]
     task = asyncio.ensure_future(client.generate("round-trip", prompt, greedy(96)))
-    while (await engine.stats())["total_generated_tokens"] < start + 40:
+    while (await engine.stats())["in_flight_tokens"] < 40:
         await asyncio.sleep(0.001)
     await engine.pause(abort=True)
     await engine.set_version(v0 + 1)
@@ -297,9 +296,8 @@ async def test_keep_mode_freezes_requests_through_a_weight_update(vllm_engine, c
     prompt, ref = await _long_prompt(engine, chat, 96)
     engine.config.pause_mode = "keep"
     v = await engine.get_version()
-    start = (await engine.stats())["total_generated_tokens"]
     task = asyncio.ensure_future(engine.generate("kept", prompt, greedy(96)))
-    while (await engine.stats())["total_generated_tokens"] < start + 30:
+    while (await engine.stats())["in_flight_tokens"] < 30:
         await asyncio.sleep(0.001)
     await engine.pause(abort=True)
     assert (await engine.stats())["in_flight"] == 1

@@ -1,8 +1,10 @@
 """ThreadCore's stepping on CPU, over a named stand-in for vLLM's ``LLMEngine`` (vLLM needs a
 GPU; the real core is tested by test_gpu.py and timed by bench/engine.py there). What is
-checked here is ThreadCore's own logic: every request's tokens come out whole and in order, an
-abort ends a request once, and ``freeze`` leaves no step running or starting until
-``unfreeze``."""
+checked here is ThreadCore's own logic, streamed (DELTA outputs) and final-only (the default):
+every request's tokens come out whole and in order, requests that arrive during a step enter
+vLLM together before the next one, an abort ends a request once with its tokens so far, and
+``freeze`` leaves no step running or starting until ``unfreeze`` and counts each request's
+tokens."""
 
 from __future__ import annotations
 
@@ -17,25 +19,69 @@ from ferryman_engine_vllm import cores
 from ferryman_engine_vllm.cores import ThreadCore
 
 
+class _Detok:
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class _State:
+    """vLLM's ``RequestState`` as far as ThreadCore reads it: the tokens and log-probs so far,
+    and ``make_request_output`` (the whole output for FINAL_ONLY, the new tokens for DELTA)."""
+
+    def __init__(self, rid: str, final_only: bool) -> None:
+        self.rid = rid
+        self.final_only = final_only
+        self.detokenizer = _Detok()
+        self.logprobs: list[dict[int, SimpleNamespace]] = []
+
+    def make_request_output(self, new_ids: list[int], pooling: object, finish: object, stop: object) -> SimpleNamespace | None:
+        finished = finish is not None
+        if self.final_only and not finished:
+            return None
+        ids = list(self.detokenizer.token_ids) if self.final_only else list(new_ids)
+        lps = list(self.logprobs) if self.final_only else self.logprobs[-len(ids):] if ids else []
+        comp = SimpleNamespace(token_ids=ids, logprobs=lps, finish_reason=str(finish) if finished else None)
+        return SimpleNamespace(request_id=self.rid, outputs=[comp], finished=finished, num_cached_tokens=0)
+
+
 class FakeLLMEngine:
     """Stands in for vLLM's LLMEngine: each step() takes ``step_s`` and gives every running
     request its next token (token = step count of that request, log-prob -0.5), finishing it at
-    its ``max_tokens``."""
+    its ``max_tokens``; requests live under an internal id, as in vLLM's output processor."""
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
         self.running: dict[str, list[int]] = {}
         self.budget: dict[str, int] = {}
+        self.entered_at: dict[str, int] = {}
+        self.aborted: list[str] = []
         self.steps = 0
         self.in_step = False
+        self.output_processor = SimpleNamespace(request_states={}, external_req_ids={})
 
     def add_request(self, rid: str, prompt: object, sp: SimpleNamespace) -> None:
+        if sp.max_tokens <= 0:
+            raise ValueError("max_tokens must be at least 1")
         self.running[rid] = []
         self.budget[rid] = sp.max_tokens
+        self.entered_at[rid] = self.steps
+        iid = f"{rid}-internal"
+        self.output_processor.request_states[iid] = _State(rid, sp.final_only)
+        self.output_processor.external_req_ids[rid] = [iid]
+
+    def _drop(self, rid: str) -> None:
+        self.running.pop(rid, None)
+        for iid in self.output_processor.external_req_ids.pop(rid, []):
+            self.output_processor.request_states.pop(iid, None)
 
     def abort_request(self, rids: list[str]) -> None:
         for rid in rids:
-            self.running.pop(rid, None)
+            if rid in self.running:
+                self.aborted.append(rid)
+            self._drop(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running)
@@ -50,12 +96,15 @@ class FakeLLMEngine:
         for rid, toks in list(self.running.items()):
             t = len(toks)
             toks.append(t)
+            (st,) = (self.output_processor.request_states[i] for i in self.output_processor.external_req_ids[rid])
+            st.detokenizer.token_ids.append(t)
+            st.logprobs.append({t: SimpleNamespace(logprob=-0.5)})
             done = len(toks) >= self.budget[rid]
-            comp = SimpleNamespace(token_ids=[t], logprobs=[{t: SimpleNamespace(logprob=-0.5)}],
-                                   finish_reason="length" if done else None)
-            outs.append(SimpleNamespace(request_id=rid, outputs=[comp], finished=done, num_cached_tokens=0))
+            out = st.make_request_output([t], None, "length" if done else None, None)
+            if out is not None:
+                outs.append(out)
             if done:
-                del self.running[rid]
+                self._drop(rid)
         self.in_step = False
         return outs
 
@@ -64,38 +113,64 @@ class FakeLLMEngine:
 def fake_vllm(monkeypatch):
     # vLLM's own sampling-params and prompt types are imported from vllm: stand-ins carry what
     # the fake reads
-    monkeypatch.setattr(cores, "vllm_sampling_params", lambda params, max_tokens: SimpleNamespace(max_tokens=max_tokens))
+    monkeypatch.setattr(cores, "vllm_sampling_params",
+                        lambda params, max_tokens, final_only=False: SimpleNamespace(max_tokens=max_tokens, final_only=final_only))
     monkeypatch.setattr(cores, "token_prompt", lambda ids: list(ids))
 
 
-async def _core(step_s: float, on_delta, on_error=lambda rid, exc: None) -> tuple[ThreadCore, FakeLLMEngine]:
+STREAM = pytest.mark.parametrize("stream", [False, True], ids=["final-only", "streamed"])
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.got: dict[str, list[int]] = {}
+        self.lps: dict[str, list[float]] = {}
+        self.ends: dict[str, list[str]] = {}
+        self.deltas: dict[str, int] = {}
+
+    def __call__(self, rid: str, d: cores.Delta) -> None:
+        self.got.setdefault(rid, []).extend(d.token_ids)
+        self.lps.setdefault(rid, []).extend(d.log_probs)
+        self.deltas[rid] = self.deltas.get(rid, 0) + 1
+        if d.finish_reason is not None:
+            self.ends.setdefault(rid, []).append(d.finish_reason)
+
+    async def wait_ended(self, rids, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not set(rids) <= set(self.ends) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
+
+async def _core(step_s: float, on_delta, *, stream: bool, on_error=lambda rid, exc: None) -> tuple[ThreadCore, FakeLLMEngine]:
     fake = FakeLLMEngine(step_s)
-    core = ThreadCore({}, on_delta, on_error)
+    core = ThreadCore({}, on_delta, on_error, stream_tokens=stream)
     core._build = lambda: fake  # type: ignore[method-assign]
     fake.model_config = SimpleNamespace(max_model_len=4096)
     await core.start()
     return core, fake
 
 
-async def test_every_request_gets_its_tokens_in_order(fake_vllm):
-    got: dict[str, list[int]] = {}
-    finished: dict[str, str] = {}
+async def _until(cond, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.002)
 
-    def on_delta(rid: str, d: cores.Delta) -> None:
-        got.setdefault(rid, []).extend(d.token_ids)
-        if d.finish_reason is not None:
-            finished[rid] = d.finish_reason
 
-    core, fake = await _core(0.005, on_delta)
+@STREAM
+async def test_every_request_gets_its_tokens_in_order(fake_vllm, stream):
+    rec = Recorder()
+    core, fake = await _core(0.005, rec, stream=stream)
     try:
         n, budget = 8, 12
         for i in range(n):
             await core.add(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=budget), budget)
-        deadline = time.monotonic() + 20
-        while len(finished) < n and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        assert finished == {f"r{i}": "length" for i in range(n)}
-        assert all(got[f"r{i}"] == list(range(budget)) for i in range(n)), got
+        await rec.wait_ended([f"r{i}" for i in range(n)])
+        assert rec.ends == {f"r{i}": ["length"] for i in range(n)}
+        assert all(rec.got[f"r{i}"] == list(range(budget)) for i in range(n)), rec.got
+        assert all(rec.lps[f"r{i}"] == [-0.5] * budget for i in range(n))
+        # final-only: one hand-over per request; streamed: one per token
+        assert set(rec.deltas.values()) == ({budget} if stream else {1})
         # nothing left to do: the pump stops stepping
         steps = fake.steps
         await asyncio.sleep(0.05)
@@ -104,57 +179,110 @@ async def test_every_request_gets_its_tokens_in_order(fake_vllm):
         await core.shutdown()
 
 
-async def test_freeze_waits_for_the_step_in_flight_and_no_step_starts_until_unfreeze(fake_vllm):
-    got: dict[str, list[int]] = {}
-    finished: set[str] = set()
-
-    def on_delta(rid: str, d: cores.Delta) -> None:
-        got.setdefault(rid, []).extend(d.token_ids)
-        if d.finish_reason is not None:
-            finished.add(rid)
-
-    core, fake = await _core(0.004, on_delta)
+async def test_requests_that_arrive_during_a_step_enter_together_before_the_next(fake_vllm):
+    rec = Recorder()
+    core, fake = await _core(0.05, rec, stream=False)
     try:
-        await core.add("a", [1], SamplingParams(max_tokens=400), 400)
-        while len(got.get("a", [])) < 5:
-            await asyncio.sleep(0.002)
-        await core.freeze()
-        assert not fake.in_step
-        frozen_at, handed = fake.steps, len(got["a"])
-        assert handed == frozen_at  # every step's token was handed out before freeze returned
-        await asyncio.sleep(0.1)
-        assert fake.steps == frozen_at and len(got["a"]) == handed
-        await core.unfreeze()
-        deadline = time.monotonic() + 20
-        while "a" not in finished and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        assert got["a"] == list(range(400))
+        await core.add("first", [1], SamplingParams(max_tokens=50), 50)
+        await _until(lambda: fake.in_step)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(core.add(f"late{i}", [1], SamplingParams(max_tokens=3), 3) for i in range(6)))
+        took = time.perf_counter() - t0
+        entered = {fake.entered_at[f"late{i}"] for i in range(6)}
+        assert len(entered) == 1, fake.entered_at  # one batch, between two steps
+        assert took < 10 * fake.step_s  # not one step per request
+        await rec.wait_ended([f"late{i}" for i in range(6)])
+        assert all(rec.got[f"late{i}"] == [0, 1, 2] for i in range(6))
     finally:
         await core.shutdown()
 
 
-async def test_abort_while_stepping_ends_the_request_once(fake_vllm):
-    ends: dict[str, list[str]] = {}
-    got: dict[str, list[int]] = {}
+async def test_a_refused_request_fails_alone(fake_vllm):
+    rec = Recorder()
+    core, fake = await _core(0.003, rec, stream=False)
+    try:
+        ok = asyncio.ensure_future(core.add("ok", [1], SamplingParams(max_tokens=4), 4))
+        with pytest.raises(ValueError, match="max_tokens"):
+            await core.add("bad", [1], SamplingParams(max_tokens=4), 0)
+        await ok
+        await rec.wait_ended(["ok"])
+        assert rec.ends == {"ok": ["length"]} and rec.got["ok"] == [0, 1, 2, 3]
+        assert "bad" not in fake.entered_at
+    finally:
+        await core.shutdown()
 
-    def on_delta(rid: str, d: cores.Delta) -> None:
-        got.setdefault(rid, []).extend(d.token_ids)
-        if d.finish_reason is not None:
-            ends.setdefault(rid, []).append(d.finish_reason)
 
-    core, fake = await _core(0.003, on_delta)
+@STREAM
+async def test_freeze_waits_for_the_step_in_flight_and_no_step_starts_until_unfreeze(fake_vllm, stream):
+    rec = Recorder()
+    core, fake = await _core(0.004, rec, stream=stream)
+    try:
+        await core.add("a", [1], SamplingParams(max_tokens=400), 400)
+        await _until(lambda: len(fake.running.get("a", [])) >= 5)
+        made = await core.freeze()
+        assert not fake.in_step
+        frozen_at = fake.steps
+        assert made == {"a": frozen_at} and core.in_flight_tokens() == frozen_at
+        # streamed: every step's token was handed out before freeze returned; final-only: none yet
+        assert len(rec.got.get("a", [])) == (frozen_at if stream else 0)
+        await asyncio.sleep(0.1)
+        assert fake.steps == frozen_at
+        await core.unfreeze()
+        await rec.wait_ended(["a"])
+        assert rec.got["a"] == list(range(400))
+    finally:
+        await core.shutdown()
+
+
+@STREAM
+async def test_abort_while_stepping_ends_the_request_once_with_its_tokens(fake_vllm, stream):
+    rec = Recorder()
+    core, fake = await _core(0.003, rec, stream=stream)
     try:
         await core.add("x", [1], SamplingParams(max_tokens=1000), 1000)
         await core.add("y", [1], SamplingParams(max_tokens=30), 30)
-        while len(got.get("x", [])) < 3:
-            await asyncio.sleep(0.002)
+        await _until(lambda: len(fake.running.get("x", [])) >= 3)
         await core.abort(["x"])
-        deadline = time.monotonic() + 20
-        while "y" not in ends and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await rec.wait_ended(["y"])
         await asyncio.sleep(0.05)
-        assert ends == {"x": ["abort"], "y": ["length"]}
-        assert got["x"] == list(range(len(got["x"]))) and len(got["x"]) < 1000
-        assert got["y"] == list(range(30))
+        assert rec.ends == {"x": ["abort"], "y": ["length"]}
+        k = len(rec.got["x"])
+        assert 3 <= k < 1000 and rec.got["x"] == list(range(k)) and rec.lps["x"] == [-0.5] * k
+        assert fake.aborted == ["x"]
+        assert rec.got["y"] == list(range(30))
+    finally:
+        await core.shutdown()
+
+
+async def test_abort_of_a_request_not_yet_in_vllm_never_sends_it(fake_vllm):
+    rec = Recorder()
+    core, fake = await _core(0.05, rec, stream=False)
+    try:
+        await core.add("first", [1], SamplingParams(max_tokens=5), 5)
+        await _until(lambda: fake.in_step)
+        late = asyncio.ensure_future(core.add("late", [1], SamplingParams(max_tokens=5), 5))
+        await asyncio.sleep(0)  # queued behind the running step
+        await core.abort(["late"])
+        await asyncio.wait_for(late, 5)
+        await rec.wait_ended(["first"])
+        await asyncio.sleep(0.1)
+        assert rec.ends == {"late": ["abort"], "first": ["length"]} and rec.got["late"] == []
+        assert "late" not in fake.entered_at
+    finally:
+        await core.shutdown()
+
+
+async def test_a_caller_that_gives_up_while_its_request_enters_leaves_nothing_running(fake_vllm):
+    rec = Recorder()
+    core, fake = await _core(0.05, rec, stream=False)
+    try:
+        await core.add("first", [1], SamplingParams(max_tokens=3), 3)
+        await _until(lambda: fake.in_step)
+        gone = asyncio.ensure_future(core.add("gone", [1], SamplingParams(max_tokens=1000), 1000))
+        await _until(lambda: "gone" in fake.entered_at)  # the next step call has sent it
+        gone.cancel()
+        await _until(lambda: "gone" in fake.aborted)  # aborted at the next step
+        await rec.wait_ended(["first"])
+        assert "gone" not in rec.ends and not fake.running
     finally:
         await core.shutdown()

@@ -90,6 +90,14 @@ class VLLMEngineConfig(PluginConfig):
     return_routed_experts: bool = False
     """Ask vLLM for the experts each token was routed to (MoE models) and return them in
     ``TokenOutput.routed_experts``."""
+    stream_tokens: bool = False
+    """``core: thread`` only. ``false`` (default): vLLM reports a request once, when it ends
+    (``RequestOutputKind.FINAL_ONLY``, as vLLM's own offline ``LLM.generate``); an abort or a
+    ``keep`` freeze reads the tokens made so far from vLLM's request state, so partial rollout
+    and per-token weight versions are the same. ``true``: every engine step reports every
+    running request's new tokens (``DELTA``), which costs one output object per request per
+    step on the core thread and one hand-over on the event loop (``bench/engine.py`` row
+    ``vllm-stream``). The ``process`` core always streams."""
     step_delay_s: float = Field(0.0, ge=0.0)
     """Artificial delay after every engine step (``core: thread`` only; for tests of async
     behaviour)."""

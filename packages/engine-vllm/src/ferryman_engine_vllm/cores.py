@@ -9,8 +9,13 @@ one request goes to ``on_error(rid, exc)``.
     vLLM's ``LLMEngine`` with its in-process core client, stepped by ONE dedicated thread. Every
     call into vLLM (add, abort, step, sleep, collective RPC) runs on that thread, in order, so a
     weight load never overlaps a step and an abort lands between two steps. vLLM's async
-    scheduling is off by default here (each step finishes its batch before returning). Freezing (keep
-    mode) simply stops stepping: the requests keep their place and KV blocks in the scheduler.
+    scheduling is off by default here (each step finishes its batch before returning). Requests
+    that arrive while a step runs enter vLLM together, just before the next step. By default a
+    request is reported once, when it ends (``FINAL_ONLY``): an abort reads the tokens made so
+    far from vLLM's request state, and :meth:`ThreadCore.freeze` returns each frozen request's
+    token count so that the engine can stamp the tokens made before a weight update with the
+    old version. Freezing (keep mode) simply stops stepping: the requests keep their place and
+    KV blocks in the scheduler.
 :class:`ProcessCore`
     vLLM's ``AsyncLLM``: the engine core runs in a child process and streams outputs back over
     ZeroMQ; freezing uses ``pause_generation(mode="keep")``.
@@ -22,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -44,22 +48,24 @@ class Delta:
     finish_reason: str | None = None
     """``None`` while running; then ``stop``, ``length``, ``abort``, ``error``, ``repetition``."""
     num_cached_tokens: int | None = None
-    """Prompt tokens served from the prefix cache (reported once, with the first tokens)."""
+    """Prompt tokens served from the prefix cache (reported once, with the first tokens, or with
+    the only hand-over of a final-only request)."""
     routed_experts: Any = None
     """``[positions][layers][top_k]`` of the WHOLE sequence, not of this delta: vLLM 0.24 sets
     ``CompletionOutput.routed_experts`` only on a request's last output (``finished``, an
     ``AsyncLLM`` abort included; DELTA kind or not), the concatenation of the prompt's routing
     (from prefill) and one position per decode step: ``prompt + generated - 1`` positions
-    (``TokenOutput.routed_experts``). An abort through ``LLMEngine`` (:class:`ThreadCore`)
-    gets no final output from vLLM, so its delta has none."""
+    (``TokenOutput.routed_experts``). ``LLMEngine`` itself reports nothing for an abort;
+    :class:`ThreadCore` builds that last output from vLLM's request state before aborting."""
 
 
 OnDelta = Callable[[str, Delta], None]
 OnError = Callable[[str, BaseException], None]
 
 
-def vllm_sampling_params(params: SamplingParams, max_tokens: int) -> Any:
-    """ferryman's sampling parameters as vLLM's (token ids only, one log-prob per token, deltas)."""
+def vllm_sampling_params(params: SamplingParams, max_tokens: int, *, final_only: bool = False) -> Any:
+    """ferryman's sampling parameters as vLLM's (token ids only, one log-prob per token; each
+    step's new tokens, or with ``final_only`` the whole output once, when the request ends)."""
     from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -74,8 +80,17 @@ def vllm_sampling_params(params: SamplingParams, max_tokens: int) -> Any:
         logprobs=0,
         detokenize=False,
         skip_special_tokens=False,
-        output_kind=RequestOutputKind.DELTA,
+        output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
     )
+
+
+def _abort_reason() -> Any:
+    """vLLM's finish reason of an abort (its string form is ``"abort"``)."""
+    try:
+        from vllm.v1.engine import FinishReason
+    except ImportError:  # vLLM's stand-in in the CPU tests
+        return "abort"
+    return FinishReason.ABORT
 
 
 def token_prompt(prompt_ids: list[int]) -> Any:
@@ -90,7 +105,8 @@ def token_prompt(prompt_ids: list[int]) -> Any:
 
 
 def delta_from_output(out: Any) -> Delta:
-    """vLLM ``RequestOutput`` (delta kind) to :class:`Delta`."""
+    """vLLM ``RequestOutput`` to :class:`Delta` (of the DELTA kind: the step's new tokens; of
+    the FINAL_ONLY kind: all of them)."""
     comp = out.outputs[0]
     token_ids = [int(t) for t in comp.token_ids]
     log_probs: list[float] = []
@@ -114,21 +130,42 @@ def delta_from_output(out: Any) -> Delta:
     )
 
 
+@dataclass
+class _Add:
+    """A request waiting to enter vLLM (on the core thread, before the next step)."""
+
+    rid: str
+    prompt: Any
+    params: Any
+    done: asyncio.Future[None]
+
+
 class ThreadCore:
     """vLLM's in-process ``LLMEngine``, stepped by one dedicated thread."""
 
-    def __init__(self, engine_args: dict[str, Any], on_delta: OnDelta, on_error: OnError, *, step_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        engine_args: dict[str, Any],
+        on_delta: OnDelta,
+        on_error: OnError,
+        *,
+        step_delay_s: float = 0.0,
+        stream_tokens: bool = False,
+    ) -> None:
         self._engine_args = dict(engine_args)
         self._on_delta = on_delta
         self._on_error = on_error
         self._step_delay_s = step_delay_s
+        self._stream = stream_tokens
         self._engine: Any = None
         self._ex: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pump_task: asyncio.Task[None] | None = None
         self._work = asyncio.Event()
-        self._adds = itertools.count()
-        self._last_add = 0
+        self._pending: list[_Add] = []
+        """Requests taken but not yet in vLLM: they enter it together before the next step."""
+        self._orphans: list[str] = []
+        """Requests in vLLM whose caller gave up while they were entering: aborted next step."""
         self._frozen = False
         self._live: set[str] = set()
         self.max_model_len = 0
@@ -144,6 +181,9 @@ class ThreadCore:
         self._ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-core")
         self._engine = await self._call(self._build)
         self.max_model_len = int(self._engine.model_config.max_model_len)
+        if not self._stream and getattr(getattr(self._engine, "output_processor", None), "request_states", None) is None:
+            log.warning("this vLLM's LLMEngine has no output_processor.request_states: the thread core streams every step's tokens")
+            self._stream = True
         self._pump_task = self._loop.create_task(self._pump(), name="vllm-core-pump")
 
     def _build(self) -> Any:
@@ -165,8 +205,35 @@ class ThreadCore:
             multiprocess_mode=False,
         )
 
+    # ------------------------------------------------------------------ vLLM's request state
+    def _states(self, rid: str) -> list[Any]:
+        """vLLM's output-side state of request ``rid`` (under its internal ids)."""
+        op = self._engine.output_processor
+        return [st for iid in list(op.external_req_ids.get(rid, ())) if (st := op.request_states.get(iid)) is not None]
+
+    def _made(self, rids: list[str]) -> dict[str, int]:
+        """Tokens made so far by each of ``rids`` that vLLM still holds."""
+        out = {}
+        for rid in rids:
+            states = self._states(rid)
+            if states:
+                out[rid] = sum(st.detokenizer.num_output_tokens() for st in states)
+        return out
+
     # ------------------------------------------------------------------ stepping
-    def _step(self) -> tuple[list[tuple[str, Delta | BaseException]], bool]:
+    def _step(self, adds: list[_Add], orphans: list[str]) -> tuple[list[BaseException | None], list[tuple[str, Delta | BaseException]], bool]:
+        if orphans:
+            self._engine.abort_request(orphans)
+        added: list[BaseException | None] = []
+        for item in adds:
+            try:
+                # vLLM appends a random suffix to the id it uses inside; outputs carry this one
+                self._engine.add_request(item.rid, item.prompt, item.params)
+                added.append(None)
+            except Exception as exc:  # noqa: BLE001 - reported to that request
+                added.append(exc)
+        if not self._has_work():
+            return added, [], False
         t0 = time.perf_counter()
         outs = self._engine.step()
         result: list[tuple[str, Delta | BaseException]] = []
@@ -179,7 +246,7 @@ class ThreadCore:
             time.sleep(self._step_delay_s)
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
-        return result, self._has_work()
+        return added, result, self._has_work()
 
     def _has_work(self) -> bool:
         if self._engine.has_unfinished_requests():
@@ -193,61 +260,118 @@ class ThreadCore:
             if self._frozen:
                 self._work.clear()
                 continue
-            marker = self._last_add
+            adds, self._pending = self._pending, []
+            orphans, self._orphans = self._orphans, []
             try:
-                results, more = await self._call(self._step)
+                added, results, more = await self._call(self._step, adds, orphans)
             except Exception as exc:  # noqa: BLE001 - the engine failed: fail every request
                 log.exception("vLLM engine step failed")
+                for item in adds:
+                    if not item.done.done():
+                        item.done.set_result(None)  # its request fails with the others, below
                 for rid in list(self._live):
                     self._live.discard(rid)
                     self._on_error(rid, RuntimeError(f"vLLM engine step failed: {exc!r}"))
                 self._work.clear()
                 continue
-            for rid, item in results:
+            for item, err in zip(adds, added, strict=True):
+                if item.done.done():  # the caller gave up while it entered vLLM
+                    if err is None:
+                        self._orphans.append(item.rid)
+                elif err is None:
+                    item.done.set_result(None)
+                else:
+                    self._live.discard(item.rid)
+                    item.done.set_exception(err)
+            for rid, res in results:
                 if rid not in self._live:
                     continue
-                if isinstance(item, BaseException):
+                if isinstance(res, BaseException):
                     self._live.discard(rid)
-                    self._on_error(rid, item)
+                    self._on_error(rid, res)
                     continue
-                if item.finish_reason is not None:
+                if res.finish_reason is not None:
                     self._live.discard(rid)
-                self._on_delta(rid, item)
-            if not more and marker == self._last_add:
+                self._on_delta(rid, res)
+            if not more and not self._pending and not self._orphans:
                 self._work.clear()
 
     # ------------------------------------------------------------------ requests
     async def add(self, rid: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
-        sp = vllm_sampling_params(params, max_tokens)
-        prompt = token_prompt(prompt_ids)
-        # vLLM appends a random suffix to the id it uses inside; outputs carry the id given here
+        """Queue a request; it enters vLLM before the next step (this returns once it has)."""
+        assert self._loop is not None
+        item = _Add(rid, token_prompt(prompt_ids), vllm_sampling_params(params, max_tokens, final_only=not self._stream),
+                    self._loop.create_future())
         self._live.add(rid)
+        self._pending.append(item)
+        self._work.set()
         try:
-            await self._call(self._engine.add_request, rid, prompt, sp)
+            await item.done
         except BaseException:
             self._live.discard(rid)
+            if item in self._pending:  # not sent yet
+                self._pending.remove(item)
             raise
-        self._last_add = next(self._adds) + 1
-        self._work.set()
+
+    def _abort_on_thread(self, rids: list[str]) -> dict[str, Delta]:
+        """The final output of every request of ``rids`` that vLLM still runs (its tokens so
+        far: ``LLMEngine`` reports none for an abort), then the abort itself."""
+        reason = _abort_reason()
+        outs: dict[str, Delta] = {}
+        for rid in rids:
+            for st in self._states(rid):
+                out = st.make_request_output([], None, reason, None)
+                if out is not None:
+                    outs[rid] = delta_from_output(out)
+        self._engine.abort_request(rids)
+        return outs
 
     async def abort(self, rids: list[str]) -> None:
         live = [r for r in rids if r in self._live]
         if not live:
             return
-        await self._call(self._engine.abort_request, live)
+        queued = {item.rid: item for item in self._pending}
+        sent = []
         for rid in live:
-            if rid in self._live:
+            item = queued.get(rid)
+            if item is None:
+                sent.append(rid)
+                continue
+            self._pending.remove(item)  # never reached vLLM
+            self._live.discard(rid)
+            if not item.done.done():
+                item.done.set_result(None)
+            self._on_delta(rid, Delta([], [], "abort"))
+        if not sent:
+            return
+        partial = await self._call(self._abort_on_thread, sent)
+        for rid in sent:
+            # a request vLLM no longer held had finished: its output comes from the pump
+            if rid in self._live and rid in partial:
                 self._live.discard(rid)
-                self._on_delta(rid, Delta([], [], "abort"))
+                self._on_delta(rid, partial[rid])
 
-    async def freeze(self) -> None:
-        """Stop stepping; requests stay scheduled with their KV blocks."""
+    async def freeze(self) -> dict[str, int]:
+        """Stop stepping; requests stay scheduled with their KV blocks. Returns the tokens each
+        frozen request has made so far (all of them already handed out when streaming)."""
         self._frozen = True
-        await self._call(lambda: None)  # the step in progress (and its outputs) are done
+        # after the step in progress, whose outputs the pump hands out first
+        return await self._call(self._made, sorted(self._live))
 
     async def unfreeze(self) -> None:
         self._frozen = False
         self._work.set()
+
+    def in_flight_tokens(self) -> int:
+        """Tokens made so far by the requests in flight (read without waiting for the core
+        thread: a step may be adding to them)."""
+        if self._engine is None:
+            return 0
+        try:
+            states = list(self._engine.output_processor.request_states.values())
+            return sum(st.detokenizer.num_output_tokens() for st in states)
+        except (AttributeError, RuntimeError):
+            return 0
 
     # ------------------------------------------------------------------ memory and weights
     async def sleep(self, level: int) -> None:

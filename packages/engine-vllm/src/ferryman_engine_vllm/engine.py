@@ -4,10 +4,12 @@ Design
 ------
 :class:`VLLMEngine` keeps ferryman's side of every request (its tokens, log-probs and the
 weight version of each token) and the engine's control state (paused, version, KV released);
-a *core* (:mod:`ferryman_engine_vllm.cores`) hosts vLLM and streams each request's new tokens
-back, step by step. Tokens are stamped with the engine's version when their step's output
-reaches the event loop; the version changes only while the engine is paused, after in-flight
-output has been delivered, so every token carries the version of the weights that made it.
+a *core* (:mod:`ferryman_engine_vllm.cores`) hosts vLLM and hands each request's tokens back,
+step by step or (the thread core's default) once, when the request ends. Tokens are stamped
+with the engine's version when they reach the event loop; the version changes only while the
+engine is paused, after in-flight output has been delivered, and a ``keep`` freeze records how
+many tokens each frozen request had made, so every token carries the version of the weights
+that made it.
 
 - ``generate``: checks its input (ValueError, nothing sent to vLLM), waits while paused, sends
   the prompt token ids to vLLM under a unique internal id, and returns when vLLM finishes the
@@ -82,6 +84,9 @@ class _Request:
     cached: int = 0
     routed_experts: Any = None
     abort_requested: bool = False
+    marks: list[tuple[int, int]] = field(default_factory=list)
+    """(tokens made, version) at each ``keep`` freeze: a core that reports a request only when
+    it ends tells the engine how many of its tokens the old weights made."""
 
 
 class VLLMEngine:
@@ -146,7 +151,8 @@ class VLLMEngine:
         else:
             args = self.config.engine_args(model_path=self.model_path, seed=self.seed)
             if self.config.core == "thread":
-                self._core = ThreadCore(args, self._on_delta, self._on_error, step_delay_s=self.config.step_delay_s)
+                self._core = ThreadCore(args, self._on_delta, self._on_error, step_delay_s=self.config.step_delay_s,
+                                        stream_tokens=self.config.stream_tokens)
             else:
                 self._core = ProcessCore(args, self._on_delta, self._on_error)
         await self._core.start()
@@ -226,7 +232,10 @@ class VLLMEngine:
         if n:
             req.tokens.extend(delta.token_ids)
             req.log_probs.extend(delta.log_probs)
-            req.versions.extend([self._version] * n)
+            for made, version in req.marks:
+                if made > len(req.versions):
+                    req.versions.extend([version] * (min(made, len(req.tokens)) - len(req.versions)))
+            req.versions.extend([self._version] * (len(req.tokens) - len(req.versions)))
             self._generated += n
         if delta.num_cached_tokens is not None and delta.num_cached_tokens != req.cached:
             self._hit_tokens += delta.num_cached_tokens - req.cached
@@ -278,8 +287,12 @@ class VLLMEngine:
         self._resumed.clear()
         if abort and self.config.pause_mode == "keep":
             if not self._frozen:
-                await self._core.freeze()
+                made = await self._core.freeze()
                 self._frozen = True
+                for rid, count in (made or {}).items():
+                    req = self._requests.get(rid)
+                    if req is not None:
+                        req.marks.append((int(count), self._version))
             return
         if not abort:
             await self._drained.wait()
@@ -356,8 +369,11 @@ class VLLMEngine:
 
     async def stats(self) -> dict[str, float]:
         core = self._core
+        counter = getattr(core, "in_flight_tokens", None)
+        in_flight_tokens = counter() if counter is not None else sum(len(r.tokens) for r in self._requests.values())
         return {
             "in_flight": float(len(self._requests)),
+            "in_flight_tokens": float(in_flight_tokens),
             "waiting": float(self._blocked),
             "total_generated_tokens": float(self._generated),
             "num_aborted": float(self._num_aborted),

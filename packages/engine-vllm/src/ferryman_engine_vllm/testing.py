@@ -15,7 +15,9 @@ depends on it, and refuses what vLLM would not survive:
 * ``sleep(level)`` frees the KV cache (and at level 2 discards the weights): stepping a request
   or loading weights while the needed memory is asleep is an error;
 * ``freeze`` keeps requests without stepping; ``reset_prefix_cache(reset_running=True)``
-  marks frozen requests for recomputation.
+  marks frozen requests for recomputation;
+* ``final_only=True`` reports a request once, when it ends, as the thread core does by default
+  (an abort hands over the tokens so far; ``freeze`` returns each request's token count).
 
 The GPU tests run the same engine over real vLLM.
 """
@@ -41,6 +43,7 @@ class _FakeRequest:
     max_tokens: int
     rng: random.Random
     tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
     cached: int = 0
     reported_cache: bool = False
 
@@ -59,7 +62,9 @@ class FakeVLLMCore:
         max_model_len: int = 512,
         step_delay_s: float = 0.002,
         block_size: int = 4,
+        final_only: bool = False,
     ) -> None:
+        self.final_only = final_only
         self._on_delta = on_delta
         self._on_error = on_error
         self.vocab_size = vocab_size
@@ -152,6 +157,7 @@ class FakeVLLMCore:
                     self.recompute.discard(req.rid)  # KV of prompt + tokens rebuilt with the current weights
                 token, lp = self._next(req)
                 req.tokens.append(token)
+                req.log_probs.append(lp)
                 finish = None
                 if token == self.eos_id or token in req.params.stop_token_ids:
                     finish = "stop"
@@ -163,7 +169,10 @@ class FakeVLLMCore:
                 if finish is not None:
                     del self.requests[req.rid]
                     self._remember(req.prompt + req.tokens)
-                self._on_delta(req.rid, Delta([token], [lp], finish, cached))
+                if not self.final_only:
+                    self._on_delta(req.rid, Delta([token], [lp], finish, cached))
+                elif finish is not None:
+                    self._on_delta(req.rid, Delta(list(req.tokens), list(req.log_probs), finish, req.cached))
 
     async def abort(self, rids: list[str]) -> None:
         await asyncio.sleep(0)
@@ -172,11 +181,18 @@ class FakeVLLMCore:
             req = self.requests.pop(rid, None)
             if req is not None:
                 self._remember(req.prompt + req.tokens)
-                self._on_delta(rid, Delta([], [], "abort"))
+                if self.final_only:
+                    self._on_delta(rid, Delta(list(req.tokens), list(req.log_probs), "abort", req.cached))
+                else:
+                    self._on_delta(rid, Delta([], [], "abort"))
 
-    async def freeze(self) -> None:
+    async def freeze(self) -> dict[str, int]:
         self.calls.append(("freeze",))
         self.frozen = True
+        return {rid: len(req.tokens) for rid, req in self.requests.items()}
+
+    def in_flight_tokens(self) -> int:
+        return sum(len(req.tokens) for req in self.requests.values())
 
     async def unfreeze(self) -> None:
         self.calls.append(("unfreeze",))
