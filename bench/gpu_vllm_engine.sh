@@ -1,0 +1,28 @@
+#!/bin/bash
+# The vllm engine on one H200 (issue "GPU runs on one H200", run 5, vLLM side): the GPU tests of
+# the `thread` core, then bench/engine.py's rows vllm-raw, vllm and vllm-stream, each in a process
+# of its own (vLLM's sleep-mode memory pool allows one engine per process), and their table.
+#
+#   OUT=/some/dir WHEEL_DIR=/root/w bench/gpu_vllm_engine.sh
+#
+# Environment: ROWS (default "vllm-raw vllm vllm-stream"), TESTS=0 skips the tests, T_TESTS
+# (default 240 s), T_ROW (default 150 s a row).
+# $OUT gets: gpu_thread.log (pytest), engine_<row>.json and engine_<row>.log, engine.txt (table).
+set -u
+source "$(dirname "$0")/gpu_common.sh"
+cd "$ROOT" || exit 1
+if [ "${TESTS:-1}" != 0 ]; then
+  FERRYMAN_VLLM_TEST_CORES=thread timeout -s KILL "${T_TESTS:-240}" python3 -m pytest -o addopts="" -m gpu \
+    --import-mode=importlib -p no:cacheprovider -q -rA --durations=10 --timeout 150 \
+    packages/engine-vllm/tests/test_gpu.py > "$OUT/gpu_thread.log" 2>&1
+  echo "thread core GPU tests: $(tail -1 "$OUT/gpu_thread.log")"
+fi
+files=()
+for row in ${ROWS:-vllm-raw vllm vllm-stream}; do
+  timeout -s KILL "${T_ROW:-150}" python3 bench/engine.py --engines "$row" --gpu-memory-utilization 0.5 \
+    --out "$OUT/engine_$row.json" > "$OUT/engine_$row.log" 2>&1
+  echo "$row: exit $? $(grep -E '^\{' "$OUT/engine_$row.log" | tail -1)"
+  [ -f "$OUT/engine_$row.json" ] && files+=("$OUT/engine_$row.json")
+done
+[ ${#files[@]} -gt 0 ] && python3 bench/engine.py --table "${files[@]}" | tee "$OUT/engine.txt"
+cat "$WORK/machine.txt"
