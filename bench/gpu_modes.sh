@@ -20,7 +20,8 @@
 #
 # Environment: MODES (run order, default "colocated d a b c": the comparison the issue asks for
 # first), TOTAL (seconds for the whole command from its start, install included; default 560),
-# PER_MODE (default 150), STEPS (trainer steps per mode, default 12: three windows of 4 steps, the
+# PER_MODE (default 150), KEEP=1 (keep and tabulate the modes a command before this one ran on the
+# same machine, e.g. MODES="colocated d", then KEEP=1 MODES="a b c"), STEPS (trainer steps per mode, default 12: three windows of 4 steps, the
 # first one warm-up), EPOCHS (PPO epochs, default 4), EAGER=1 (vLLM without CUDA graphs),
 # STACK=cpu with FERRYMAN_SKIP_INSTALL=1 (the CPU smoke: transformers engines, the tiny model).
 START=$SECONDS
@@ -28,7 +29,8 @@ set -u
 source "$(dirname "$0")/gpu_common.sh"
 cd "$ROOT" || exit 1
 RUNS=$WORK/modes
-rm -rf "$RUNS" "$WORK/modes.log"
+# KEEP=1: keep the modes an earlier command of the same machine ran (the table joins them)
+[ -z "${KEEP:-}" ] && rm -rf "$RUNS" "$WORK/modes.log"
 mkdir -p "$RUNS"
 MODES=${MODES:-colocated d a b c}
 TOTAL=${TOTAL:-560}
