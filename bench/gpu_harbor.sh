@@ -10,9 +10,10 @@
 # WHEEL_DIR must hold the vllm set *with* Harbor and LiteLLM
 # (`tools/gpu_wheels.py download --extra vllm --with harbor --with litellm`). The sandbox needs
 # root and Linux namespaces: the script checks both first and stops (exit 4) when they are missing.
-# The project's H200 machine gives its processes a cgroup v2 without the cpu and pids controllers,
-# so the sandbox's limits cannot be set there: add env.environment.kwargs.enforce_limits=false
-# (the run is then not resource-contained; bench/results/gpu_one_gpu.md, run 8).
+# The project's H200 machine gives its processes a cgroup v2 without the cpu and pids controllers;
+# the sandbox then makes its cgroups under the lowest ancestor that has them (there: the root), so
+# the run is contained as configured (bench/results/gpu_one_gpu.md, "Run 8 contained").
+# env.environment.kwargs.enforce_limits=false runs without limits where no cgroup can give them.
 # $OUT gets: report.txt (what was recorded and trained), metrics.jsonl, summary.json, train.log.gz.
 set -u
 source "$(dirname "$0")/gpu_common.sh"
