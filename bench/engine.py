@@ -165,9 +165,11 @@ async def run_sglang_raw(prompts: list[list[int]], max_tokens: int, args: argpar
 def vllm_config(args: argparse.Namespace, *, stream: bool = False):
     from ferryman_engine_vllm import VLLMEngineConfig
 
+    sched = {"on": {"async_scheduling": True}, "off": {"async_scheduling": False}}.get(args.vllm_async_scheduling, {})
     return VLLMEngineConfig(
         core=args.vllm_core,
         stream_tokens=stream,
+        engine_kwargs=sched,
         dtype="bfloat16",
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.prompt_len + args.max_tokens + 16,
@@ -269,6 +271,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="vllm,hf")
     ap.add_argument("--vllm-core", default="thread", choices=["thread", "process"])
+    ap.add_argument("--vllm-async-scheduling", default="default", choices=["default", "on", "off"],
+                    help="vLLM's async scheduling in every vllm row (default: each row's own: vLLM's LLM turns it on, "
+                         "the thread core off)")
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile / CUDA graphs")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--num-prompts", type=int, default=128)
