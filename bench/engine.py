@@ -16,7 +16,9 @@ requests (the scheduler sees them all in its first step). ``vllm-raw`` likewise 
 vLLM's own offline ``LLM.generate`` (the same ``LLMEngine`` step loop as the ``thread`` core) on
 the same prompts with the ``vllm`` row's engine arguments and sampling parameters (token ids
 in, the sampled token's log-prob out, no detokenizing): vllm / vllm-raw is that wrapper's cost.
-``vllm-stream`` is the ``vllm`` row with ``stream_tokens: true`` (every step's tokens handed
+``--vllm-async-scheduling on|off`` sets vLLM's async scheduling in every vllm row (row names
+get ``+async`` / ``-sync``; by default ``vllm-raw`` has vLLM's default, on, and the thread core
+off). ``vllm-stream`` is the ``vllm`` row with ``stream_tokens: true`` (every step's tokens handed
 over, vLLM's DELTA outputs, against the default's one hand-over per request). vLLM's sleep-mode
 memory pool allows one engine per process: run each vllm row in a process of its own
 (``--out`` per row, then ``--table a.json b.json ...`` prints the table and the ratios).
@@ -98,6 +100,7 @@ async def run_engine(name: str, engine, prompts: list[list[int]], max_tokens: in
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=None)
     # warm-up: one short batch (allocator, kernels, CUDA graphs of small batch sizes)
     await asyncio.gather(*[engine.generate(f"warm-{i}", p, params.replace(max_tokens=8)) for i, p in enumerate(prompts[:8])])
+    before = await engine.stats()
     t1 = time.perf_counter()
     outs = await asyncio.gather(*[engine.generate(f"{name}-{i}", p, params) for i, p in enumerate(prompts)])
     wall = time.perf_counter() - t1
@@ -111,7 +114,9 @@ async def run_engine(name: str, engine, prompts: list[list[int]], max_tokens: in
         "generated_tokens": tokens,
         "tokens_per_s": round(tokens / wall, 1),
         "finished_by_length": sum(o.stop_reason == "length" for o in outs),
-        "steps": stats.get("steps"),
+        "steps": stats.get("steps"),  # warm-up included
+        # of the timed batch: seconds the engine spent inside vLLM's step() (thread core)
+        "step_seconds": round(stats["step_seconds"] - before["step_seconds"], 3) if "step_seconds" in stats else None,
     }
 
 
@@ -165,11 +170,10 @@ async def run_sglang_raw(prompts: list[list[int]], max_tokens: int, args: argpar
 def vllm_config(args: argparse.Namespace, *, stream: bool = False):
     from ferryman_engine_vllm import VLLMEngineConfig
 
-    sched = {"on": {"async_scheduling": True}, "off": {"async_scheduling": False}}.get(args.vllm_async_scheduling, {})
     return VLLMEngineConfig(
         core=args.vllm_core,
         stream_tokens=stream,
-        engine_kwargs=sched,
+        async_scheduling={"on": True, "off": False}.get(args.vllm_async_scheduling),
         dtype="bfloat16",
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.prompt_len + args.max_tokens + 16,
@@ -199,7 +203,7 @@ def run_vllm_raw(prompts: list[list[int]], max_tokens: int, args: argparse.Names
     wall = time.perf_counter() - t1
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     res = {
-        "engine": "vllm-raw",
+        "engine": "vllm-raw" + sched_suffix(args),
         "start_s": round(started, 1),
         "wall_s": round(wall, 3),
         "generated_tokens": tokens,
@@ -209,6 +213,11 @@ def run_vllm_raw(prompts: list[list[int]], max_tokens: int, args: argparse.Names
     }
     del llm
     return res
+
+
+def sched_suffix(args: argparse.Namespace) -> str:
+    """Row-name suffix of a vllm row run with --vllm-async-scheduling on / off."""
+    return {"on": "+async", "off": "-sync"}.get(args.vllm_async_scheduling, "")
 
 
 def free_gpu() -> None:
@@ -259,7 +268,7 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
             engine = make_hf_engine(cfg, model_path=str(model_dir), replica="bench-hf", seed=0)
         else:
             raise SystemExit(f"unknown engine {name!r} (vllm, vllm-stream, vllm-raw, sglang, sglang-raw, sglang-raw-each, hf)")
-        res = await run_engine(name, engine, prompts, args.max_tokens)
+        res = await run_engine(name + (sched_suffix(args) if name.startswith("vllm") else ""), engine, prompts, args.max_tokens)
         del engine
         free_gpu()
         print(json.dumps(res), flush=True)
@@ -290,13 +299,15 @@ def main() -> None:
     else:
         results = asyncio.run(main_async(args))
     by = {r["engine"]: r for r in results}
-    print("\n| engine | start (s) | batch wall (s) | generated tokens | tokens/s |")
-    print("|---|---|---|---|---|")
+    print("\n| engine | start (s) | batch wall (s) | generated tokens | tokens/s | engine steps | s inside step() |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['engine']} | {r['start_s']} | {r['wall_s']} | {r['generated_tokens']} | {r['tokens_per_s']} |")
+        print(f"| {r['engine']} | {r['start_s']} | {r['wall_s']} | {r['generated_tokens']} | {r['tokens_per_s']} | "
+              f"{r.get('steps') or ''} | {r.get('step_seconds') or ''} |")
     if "vllm" in by and "hf" in by:
         print(f"\nvllm / hf tokens/s: {by['vllm']['tokens_per_s'] / by['hf']['tokens_per_s']:.1f}x")
-    for a, b in (("vllm", "vllm-raw"), ("vllm-stream", "vllm-raw"), ("vllm", "vllm-stream")):
+    for a, b in (("vllm", "vllm-raw"), ("vllm-stream", "vllm-raw"), ("vllm", "vllm-stream"), ("vllm", "vllm-raw-sync"),
+                 ("vllm+async", "vllm-raw"), ("vllm+async", "vllm"), ("vllm-raw", "vllm-raw-sync")):
         if a in by and b in by:
             print(f"{a} / {b} tokens/s: {by[a]['tokens_per_s'] / by[b]['tokens_per_s']:.3f}x")
     if "sglang" in by and "sglang-raw" in by:

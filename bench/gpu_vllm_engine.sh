@@ -5,8 +5,10 @@
 #
 #   OUT=/some/dir WHEEL_DIR=/root/w bench/gpu_vllm_engine.sh
 #
-# Environment: ROWS (default "vllm-raw vllm vllm-stream"), TESTS=0 skips the tests, T_TESTS
-# (default 240 s), T_ROW (default 150 s a row).
+# Environment: ROWS (default "vllm-raw vllm vllm-stream"; ROW:on / ROW:off runs a row with vLLM's
+# async scheduling on / off, e.g. "vllm-raw vllm-raw:off vllm vllm:on"), TESTS=0 skips the tests,
+# ASYNC_TESTS=1 runs them again with the thread core's async scheduling on, T_TESTS (default 240 s
+# each), T_ROW (default 150 s a row).
 # $OUT gets: gpu_thread.log (pytest), engine_<row>.json and engine_<row>.log, engine.txt (table).
 set -u
 source "$(dirname "$0")/gpu_common.sh"
@@ -17,12 +19,20 @@ if [ "${TESTS:-1}" != 0 ]; then
     packages/engine-vllm/tests/test_gpu.py > "$OUT/gpu_thread.log" 2>&1
   echo "thread core GPU tests: $(tail -1 "$OUT/gpu_thread.log")"
 fi
+if [ "${ASYNC_TESTS:-0}" = 1 ]; then
+  FERRYMAN_VLLM_TEST_ASYNC=1 FERRYMAN_VLLM_TEST_CORES=thread timeout -s KILL "${T_TESTS:-240}" python3 -m pytest -o addopts="" -m gpu \
+    --import-mode=importlib -p no:cacheprovider -q -rA --durations=10 --timeout 150 \
+    packages/engine-vllm/tests/test_gpu.py > "$OUT/gpu_thread_async.log" 2>&1
+  echo "thread core GPU tests, async scheduling on: $(tail -1 "$OUT/gpu_thread_async.log")"
+fi
 files=()
-for row in ${ROWS:-vllm-raw vllm vllm-stream}; do
-  timeout -s KILL "${T_ROW:-150}" python3 bench/engine.py --engines "$row" --gpu-memory-utilization 0.5 \
-    --out "$OUT/engine_$row.json" > "$OUT/engine_$row.log" 2>&1
-  echo "$row: exit $? $(grep -E '^\{' "$OUT/engine_$row.log" | tail -1)"
-  [ -f "$OUT/engine_$row.json" ] && files+=("$OUT/engine_$row.json")
+for spec in ${ROWS:-vllm-raw vllm vllm-stream}; do
+  row=${spec%%:*} sched=default tag=$spec
+  [ "$spec" != "$row" ] && sched=${spec#*:} tag=$row-$sched
+  timeout -s KILL "${T_ROW:-150}" python3 bench/engine.py --engines "$row" --vllm-async-scheduling "$sched" \
+    --gpu-memory-utilization 0.5 --out "$OUT/engine_$tag.json" > "$OUT/engine_$tag.log" 2>&1
+  echo "$spec: exit $? $(grep -E '^\{' "$OUT/engine_$tag.log" | tail -1)"
+  [ -f "$OUT/engine_$tag.json" ] && files+=("$OUT/engine_$tag.json")
 done
 [ ${#files[@]} -gt 0 ] && python3 bench/engine.py --table "${files[@]}" | tee "$OUT/engine.txt"
 cat "$WORK/machine.txt"

@@ -89,6 +89,8 @@ def test_config_defaults_map_to_engine_args():
     assert args["worker_extension_cls"] == "ferryman_engine_vllm.worker.FerrymanWorkerExtension"
     assert args["skip_tokenizer_init"] is True
     assert "enable_return_routed_experts" not in args
+    assert "async_scheduling" not in args  # the thread core's own default (off), vLLM's for process
+    assert VLLMEngineConfig(async_scheduling=True).engine_args(model_path="/m", seed=0)["async_scheduling"] is True
     args = VLLMEngineConfig(return_routed_experts=True, kv_cache_memory_bytes=2**30, engine_kwargs={"block_size": 32}).engine_args(
         model_path="/m", seed=0
     )
@@ -103,6 +105,8 @@ def test_config_defaults_map_to_engine_args():
         ({"core": "ray"}, "core"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"engine_kwargs": {"enable_prefix_caching": False}}, "engine_kwargs"),
+        ({"engine_kwargs": {"async_scheduling": True}}, "engine_kwargs"),
+        ({"async_scheduling": "sometimes"}, "async_scheduling"),
         ({"core": "process", "step_delay_s": 0.01}, "step_delay_s"),
         ({"sleep_level": 3}, "sleep_level"),
     ],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -47,13 +48,32 @@ class _State:
         return SimpleNamespace(request_id=self.rid, outputs=[comp], finished=finished, num_cached_tokens=0)
 
 
+class _Scheduler:
+    def __init__(self, engine: FakeLLMEngine) -> None:
+        self.engine = engine
+        self.pause_state = "unpaused"
+
+    def set_pause_state(self, state: str) -> None:
+        self.pause_state = state
+
+    def has_requests(self) -> bool:
+        return bool(self.engine.running) and self.pause_state != "paused_all"
+
+
 class FakeLLMEngine:
     """Stands in for vLLM's LLMEngine: each step() takes ``step_s`` and gives every running
     request its next token (token = step count of that request, log-prob -0.5), finishing it at
-    its ``max_tokens``; requests live under an internal id, as in vLLM's output processor."""
+    its ``max_tokens``; requests live under an internal id, as in vLLM's output processor.
 
-    def __init__(self, step_s: float) -> None:
+    With ``async_scheduling`` it behaves like vLLM's batch queue (two batches): a step
+    launches the next batch before it returns the outputs of the one launched before, so a
+    batch is "on the GPU" between two steps; with the scheduler in ``paused_all`` a step
+    launches nothing and only finishes the batch in flight. Loading weights, sleeping, waking
+    up or resetting the prefix cache with a batch in flight is counted as a fault."""
+
+    def __init__(self, step_s: float, async_scheduling: bool = False) -> None:
         self.step_s = step_s
+        self.async_scheduling = async_scheduling
         self.running: dict[str, list[int]] = {}
         self.budget: dict[str, int] = {}
         self.entered_at: dict[str, int] = {}
@@ -61,6 +81,12 @@ class FakeLLMEngine:
         self.steps = 0
         self.in_step = False
         self.output_processor = SimpleNamespace(request_states={}, external_req_ids={})
+        self.batch_queue: deque[dict[str, int]] = deque()
+        self.scheduler = _Scheduler(self)
+        self.engine_core = SimpleNamespace(engine_core=SimpleNamespace(
+            batch_queue=self.batch_queue if async_scheduling else None, scheduler=self.scheduler))
+        self.faults: list[str] = []
+        self.calls: list[str] = []
 
     def add_request(self, rid: str, prompt: object, sp: SimpleNamespace) -> None:
         if sp.max_tokens <= 0:
@@ -86,15 +112,18 @@ class FakeLLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running)
 
-    engine_core = SimpleNamespace()  # no inner scheduler to ask
+    def _batch(self) -> dict[str, int]:
+        """The next token of every running request not at its budget (counting queued batches)."""
+        ahead = {rid: sum(rid in b for b in self.batch_queue) for rid in self.running}
+        return {rid: len(toks) + ahead[rid] for rid, toks in self.running.items()
+                if len(toks) + ahead[rid] < self.budget[rid]}
 
-    def step(self) -> list[SimpleNamespace]:
-        self.steps += 1
-        self.in_step = True
-        time.sleep(self.step_s)
+    def _apply(self, batch: dict[str, int]) -> list[SimpleNamespace]:
         outs = []
-        for rid, toks in list(self.running.items()):
-            t = len(toks)
+        for rid, t in batch.items():
+            if rid not in self.running:  # aborted while its batch ran: dropped, as vLLM does
+                continue
+            toks = self.running[rid]
             toks.append(t)
             (st,) = (self.output_processor.request_states[i] for i in self.output_processor.external_req_ids[rid])
             st.detokenizer.token_ids.append(t)
@@ -105,8 +134,42 @@ class FakeLLMEngine:
                 outs.append(out)
             if done:
                 self._drop(rid)
-        self.in_step = False
         return outs
+
+    def step(self) -> list[SimpleNamespace]:
+        self.steps += 1
+        self.in_step = True
+        time.sleep(self.step_s)
+        try:
+            if not self.async_scheduling:
+                return self._apply(self._batch())
+            if self.scheduler.has_requests():
+                batch = self._batch()
+                if batch:
+                    self.batch_queue.appendleft(batch)
+                    if len(self.batch_queue) < 2:
+                        return []  # launched; nothing finished yet
+            return self._apply(self.batch_queue.pop()) if self.batch_queue else []
+        finally:
+            self.in_step = False
+
+    def _quiet_call(self, what: str) -> None:
+        self.calls.append(what)
+        if self.batch_queue:
+            self.faults.append(f"{what} with a batch on the GPU")
+
+    def collective_rpc(self, method: str, timeout: object, args: tuple) -> None:
+        self._quiet_call("load_weights")
+
+    def sleep(self, level: int) -> None:
+        self._quiet_call("sleep")
+
+    def wake_up(self, tags: object) -> None:
+        self._quiet_call("wake_up")
+
+    def reset_prefix_cache(self, reset_running: bool) -> bool:
+        self._quiet_call("reset_prefix_cache")
+        return True
 
 
 @pytest.fixture
@@ -119,6 +182,7 @@ def fake_vllm(monkeypatch):
 
 
 STREAM = pytest.mark.parametrize("stream", [False, True], ids=["final-only", "streamed"])
+ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync-sched", "async-sched"])
 
 
 class Recorder:
@@ -141,8 +205,9 @@ class Recorder:
             await asyncio.sleep(0.005)
 
 
-async def _core(step_s: float, on_delta, *, stream: bool, on_error=lambda rid, exc: None) -> tuple[ThreadCore, FakeLLMEngine]:
-    fake = FakeLLMEngine(step_s)
+async def _core(step_s: float, on_delta, *, stream: bool, on_error=lambda rid, exc: None,
+                async_scheduling: bool = False) -> tuple[ThreadCore, FakeLLMEngine]:
+    fake = FakeLLMEngine(step_s, async_scheduling)
     core = ThreadCore({}, on_delta, on_error, stream_tokens=stream)
     core._build = lambda: fake  # type: ignore[method-assign]
     fake.model_config = SimpleNamespace(max_model_len=4096)
@@ -157,10 +222,11 @@ async def _until(cond, timeout: float = 20) -> None:
         await asyncio.sleep(0.002)
 
 
+@ASYNC
 @STREAM
-async def test_every_request_gets_its_tokens_in_order(fake_vllm, stream):
+async def test_every_request_gets_its_tokens_in_order(fake_vllm, stream, async_scheduling):
     rec = Recorder()
-    core, fake = await _core(0.005, rec, stream=stream)
+    core, fake = await _core(0.005, rec, stream=stream, async_scheduling=async_scheduling)
     try:
         n, budget = 8, 12
         for i in range(n):
@@ -174,7 +240,7 @@ async def test_every_request_gets_its_tokens_in_order(fake_vllm, stream):
         # nothing left to do: the pump stops stepping
         steps = fake.steps
         await asyncio.sleep(0.05)
-        assert fake.steps == steps
+        assert fake.steps == steps and not fake.batch_queue
     finally:
         await core.shutdown()
 
@@ -212,19 +278,20 @@ async def test_a_refused_request_fails_alone(fake_vllm):
         await core.shutdown()
 
 
+@ASYNC
 @STREAM
-async def test_freeze_waits_for_the_step_in_flight_and_no_step_starts_until_unfreeze(fake_vllm, stream):
+async def test_freeze_waits_for_the_step_in_flight_and_no_step_starts_until_unfreeze(fake_vllm, stream, async_scheduling):
     rec = Recorder()
-    core, fake = await _core(0.004, rec, stream=stream)
+    core, fake = await _core(0.004, rec, stream=stream, async_scheduling=async_scheduling)
     try:
         await core.add("a", [1], SamplingParams(max_tokens=400), 400)
         await _until(lambda: len(fake.running.get("a", [])) >= 5)
         made = await core.freeze()
-        assert not fake.in_step
+        assert not fake.in_step and not fake.batch_queue  # async: the batch on the GPU finished too
         frozen_at = fake.steps
-        assert made == {"a": frozen_at} and core.in_flight_tokens() == frozen_at
+        assert made == {"a": len(fake.running["a"])} and core.in_flight_tokens() == made["a"] >= 5
         # streamed: every step's token was handed out before freeze returned; final-only: none yet
-        assert len(rec.got.get("a", [])) == (frozen_at if stream else 0)
+        assert len(rec.got.get("a", [])) == (made["a"] if stream else 0)
         await asyncio.sleep(0.1)
         assert fake.steps == frozen_at
         await core.unfreeze()
@@ -234,10 +301,11 @@ async def test_freeze_waits_for_the_step_in_flight_and_no_step_starts_until_unfr
         await core.shutdown()
 
 
+@ASYNC
 @STREAM
-async def test_abort_while_stepping_ends_the_request_once_with_its_tokens(fake_vllm, stream):
+async def test_abort_while_stepping_ends_the_request_once_with_its_tokens(fake_vllm, stream, async_scheduling):
     rec = Recorder()
-    core, fake = await _core(0.003, rec, stream=stream)
+    core, fake = await _core(0.003, rec, stream=stream, async_scheduling=async_scheduling)
     try:
         await core.add("x", [1], SamplingParams(max_tokens=1000), 1000)
         await core.add("y", [1], SamplingParams(max_tokens=30), 30)
@@ -284,5 +352,35 @@ async def test_a_caller_that_gives_up_while_its_request_enters_leaves_nothing_ru
         await _until(lambda: "gone" in fake.aborted)  # aborted at the next step
         await rec.wait_ended(["first"])
         assert "gone" not in rec.ends and not fake.running
+    finally:
+        await core.shutdown()
+
+
+@STREAM
+async def test_with_async_scheduling_no_weight_load_sleep_or_reset_meets_a_batch_on_the_gpu(fake_vllm, stream):
+    """vLLM's async scheduling leaves a batch on the GPU when step() returns: a keep freeze
+    finishes it (and hands its tokens out) before the weights change, and so does every
+    weight load, sleep, wake-up and prefix-cache reset after the requests were aborted."""
+    rec = Recorder()
+    core, fake = await _core(0.003, rec, stream=stream, async_scheduling=True)
+    try:
+        await core.add("a", [1], SamplingParams(max_tokens=300), 300)
+        await _until(lambda: len(fake.running.get("a", [])) >= 5)
+        made = await core.freeze()
+        await core.load_weights([("w", None)])
+        await core.reset_prefix_cache(True)
+        assert fake.faults == [] and made == {"a": len(fake.running["a"])}
+        await core.unfreeze()
+        await rec.wait_ended(["a"])
+        assert rec.got["a"] == list(range(300))
+        await core.add("b", [1], SamplingParams(max_tokens=1000), 1000)
+        await _until(lambda: len(fake.running.get("b", [])) >= 5)
+        await core.abort(["b"])
+        await core.sleep(1)
+        await core.wake_up(["weights"])
+        await core.load_weights([("w", None)])
+        await core.wake_up(["kv_cache"])
+        assert fake.faults == [] and fake.calls.count("load_weights") == 2
+        assert rec.ends["b"] == ["abort"] and rec.got["b"] == list(range(len(rec.got["b"])))
     finally:
         await core.shutdown()

@@ -37,6 +37,7 @@ _RESERVED_ENGINE_KWARGS = frozenset(
         "worker_extension_cls",
         "enable_return_routed_experts",
         "skip_tokenizer_init",
+        "async_scheduling",
     }
 )
 
@@ -98,6 +99,15 @@ class VLLMEngineConfig(PluginConfig):
     running request's new tokens (``DELTA``), which costs one output object per request per
     step on the core thread and one hand-over on the event loop (``bench/engine.py`` row
     ``vllm-stream``). The ``process`` core always streams."""
+    async_scheduling: bool | None = None
+    """vLLM's async scheduling: the next batch is scheduled while the GPU runs the current one
+    (vLLM's own default; 1.22x the tokens/s of ``vllm-raw`` without it on the H200,
+    ``bench/results/engine.md``). ``None``: off with ``core: thread``, vLLM's default with
+    ``core: process``. With ``core: thread`` and ``true``, every weight load, sleep, wake-up,
+    prefix-cache reset and ``keep`` freeze first finishes the batch still on the GPU (scheduling
+    paused meanwhile) and hands out its tokens, so none of them meets a running batch and the
+    tokens keep the version of the weights that made them. CPU-tested over a stand-in for
+    vLLM's batch queue; not yet run on a GPU."""
     step_delay_s: float = Field(0.0, ge=0.0)
     """Artificial delay after every engine step (``core: thread`` only; for tests of async
     behaviour)."""
@@ -145,5 +155,7 @@ class VLLMEngineConfig(PluginConfig):
             args["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.return_routed_experts:
             args["enable_return_routed_experts"] = True
+        if self.async_scheduling is not None:
+            args["async_scheduling"] = self.async_scheduling
         args.update(self.engine_kwargs)
         return args

@@ -84,6 +84,15 @@ def vllm_sampling_params(params: SamplingParams, max_tokens: int, *, final_only:
     )
 
 
+def _paused_all() -> Any:
+    """vLLM's scheduler state that schedules nothing (requests keep their place)."""
+    try:
+        from vllm.v1.core.sched.interface import PauseState
+    except ImportError:  # vLLM's stand-in in the CPU tests
+        return "paused_all"
+    return PauseState.PAUSED_ALL
+
+
 def _abort_reason() -> Any:
     """vLLM's finish reason of an abort (its string form is ``"abort"``)."""
     try:
@@ -234,6 +243,10 @@ class ThreadCore:
                 added.append(exc)
         if not self._has_work():
             return added, [], False
+        result = self._one_step()
+        return added, result, self._has_work()
+
+    def _one_step(self) -> list[tuple[str, Delta | BaseException]]:
         t0 = time.perf_counter()
         outs = self._engine.step()
         result: list[tuple[str, Delta | BaseException]] = []
@@ -246,13 +259,58 @@ class ThreadCore:
             time.sleep(self._step_delay_s)
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
-        return added, result, self._has_work()
+        return result
+
+    def _inner(self) -> Any:
+        """vLLM's ``EngineCore`` inside the in-process client (None without one)."""
+        return getattr(self._engine.engine_core, "engine_core", None)
 
     def _has_work(self) -> bool:
         if self._engine.has_unfinished_requests():
             return True
-        core = getattr(self._engine.engine_core, "engine_core", None)
+        core = self._inner()
         return bool(core is not None and (core.scheduler.has_requests() or getattr(core, "batch_queue", None)))
+
+    def _drain_on_thread(self) -> list[tuple[str, Delta | BaseException]]:
+        """With async scheduling a batch may still be on the GPU after ``step()`` returned:
+        finish it, scheduling nothing new meanwhile, and return its outputs. Nothing to do
+        without async scheduling (each step's batch is done when it returns)."""
+        core = self._inner()
+        if core is None or not getattr(core, "batch_queue", None):
+            return []
+        sched = core.scheduler
+        before = sched.pause_state
+        sched.set_pause_state(_paused_all())
+        result: list[tuple[str, Delta | BaseException]] = []
+        try:
+            while core.batch_queue:
+                result.extend(self._one_step())
+        finally:
+            sched.set_pause_state(before)
+        return result
+
+    def _quiet_on_thread(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[list[tuple[str, Delta | BaseException]], Any]:
+        drained = self._drain_on_thread()
+        return drained, fn(*args)
+
+    async def _quiet(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the core thread with no batch on the GPU; the tokens of the batch
+        finished first are handed out before this returns (with the version they were made at)."""
+        drained, value = await self._call(self._quiet_on_thread, fn, args)
+        self._deliver(drained)
+        return value
+
+    def _deliver(self, results: list[tuple[str, Delta | BaseException]]) -> None:
+        for rid, res in results:
+            if rid not in self._live:
+                continue
+            if isinstance(res, BaseException):
+                self._live.discard(rid)
+                self._on_error(rid, res)
+                continue
+            if res.finish_reason is not None:
+                self._live.discard(rid)
+            self._on_delta(rid, res)
 
     async def _pump(self) -> None:
         while True:
@@ -283,16 +341,7 @@ class ThreadCore:
                 else:
                     self._live.discard(item.rid)
                     item.done.set_exception(err)
-            for rid, res in results:
-                if rid not in self._live:
-                    continue
-                if isinstance(res, BaseException):
-                    self._live.discard(rid)
-                    self._on_error(rid, res)
-                    continue
-                if res.finish_reason is not None:
-                    self._live.discard(rid)
-                self._on_delta(rid, res)
+            self._deliver(results)
             if not more and not self._pending and not self._orphans:
                 self._work.clear()
 
@@ -355,8 +404,9 @@ class ThreadCore:
         """Stop stepping; requests stay scheduled with their KV blocks. Returns the tokens each
         frozen request has made so far (all of them already handed out when streaming)."""
         self._frozen = True
-        # after the step in progress, whose outputs the pump hands out first
-        return await self._call(self._made, sorted(self._live))
+        # after the step in progress, whose outputs the pump hands out first (and, with async
+        # scheduling, the batch still on the GPU)
+        return await self._quiet(lambda: self._made(sorted(self._live)))
 
     async def unfreeze(self) -> None:
         self._frozen = False
@@ -375,16 +425,16 @@ class ThreadCore:
 
     # ------------------------------------------------------------------ memory and weights
     async def sleep(self, level: int) -> None:
-        await self._call(self._engine.sleep, level)
+        await self._quiet(self._engine.sleep, level)
 
     async def wake_up(self, tags: list[str] | None) -> None:
-        await self._call(self._engine.wake_up, tags)
+        await self._quiet(self._engine.wake_up, tags)
 
     async def load_weights(self, bucket: list[tuple[str, Any]]) -> None:
-        await self._call(self._engine.collective_rpc, "ferryman_load_weights", None, (bucket,))
+        await self._quiet(self._engine.collective_rpc, "ferryman_load_weights", None, (bucket,))
 
     async def reset_prefix_cache(self, reset_running: bool) -> bool:
-        return bool(await self._call(self._engine.reset_prefix_cache, reset_running))
+        return bool(await self._quiet(self._engine.reset_prefix_cache, reset_running))
 
     async def shutdown(self) -> None:
         if self._pump_task is not None:
