@@ -17,7 +17,7 @@ vLLM's own offline ``LLM.generate`` (the same ``LLMEngine`` step loop as the ``t
 the same prompts with the ``vllm`` row's engine arguments and sampling parameters (token ids
 in, the sampled token's log-prob out, no detokenizing): vllm / vllm-raw is that wrapper's cost.
 ``--vllm-async-scheduling on|off`` sets vLLM's async scheduling in every vllm row (row names
-get ``+async`` / ``-sync``; by default ``vllm-raw`` has vLLM's default, on, and the thread core
+get ``+async`` / ``-sync``; ``--vllm-core process`` rows get ``@process``; by default ``vllm-raw`` has vLLM's default, on, and the thread core
 off). ``vllm-stream`` is the ``vllm`` row with ``stream_tokens: true`` (every step's tokens handed
 over, vLLM's DELTA outputs, against the default's one hand-over per request). vLLM's sleep-mode
 memory pool allows one engine per process: run each vllm row in a process of its own
@@ -268,7 +268,10 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
             engine = make_hf_engine(cfg, model_path=str(model_dir), replica="bench-hf", seed=0)
         else:
             raise SystemExit(f"unknown engine {name!r} (vllm, vllm-stream, vllm-raw, sglang, sglang-raw, sglang-raw-each, hf)")
-        res = await run_engine(name + (sched_suffix(args) if name.startswith("vllm") else ""), engine, prompts, args.max_tokens)
+        label = name
+        if name.startswith("vllm"):
+            label += sched_suffix(args) + ("@process" if args.vllm_core == "process" else "")
+        res = await run_engine(label, engine, prompts, args.max_tokens)
         del engine
         free_gpu()
         print(json.dumps(res), flush=True)
@@ -307,7 +310,8 @@ def main() -> None:
     if "vllm" in by and "hf" in by:
         print(f"\nvllm / hf tokens/s: {by['vllm']['tokens_per_s'] / by['hf']['tokens_per_s']:.1f}x")
     for a, b in (("vllm", "vllm-raw"), ("vllm-stream", "vllm-raw"), ("vllm", "vllm-stream"), ("vllm", "vllm-raw-sync"),
-                 ("vllm+async", "vllm-raw"), ("vllm+async", "vllm"), ("vllm-raw", "vllm-raw-sync")):
+                 ("vllm+async", "vllm-raw"), ("vllm+async", "vllm"), ("vllm-raw", "vllm-raw-sync"),
+                 ("vllm@process", "vllm-raw"), ("vllm-stream@process", "vllm-raw")):
         if a in by and b in by:
             print(f"{a} / {b} tokens/s: {by[a]['tokens_per_s'] / by[b]['tokens_per_s']:.3f}x")
     if "sglang" in by and "sglang-raw" in by:

@@ -6,7 +6,8 @@
 #   OUT=/some/dir WHEEL_DIR=/root/w bench/gpu_vllm_engine.sh
 #
 # Environment: ROWS (default "vllm-raw vllm vllm-stream"; ROW:on / ROW:off runs a row with vLLM's
-# async scheduling on / off, e.g. "vllm-raw vllm-raw:off vllm vllm:on"), TESTS=0 skips the tests,
+# async scheduling on / off, ROW/process with --vllm-core process, e.g.
+# "vllm-raw vllm-raw:off vllm vllm:on vllm/process"), TESTS=0 skips the tests,
 # ASYNC_TESTS=1 runs them again with the thread core's async scheduling on, T_TESTS (default 240 s
 # each), T_ROW (default 150 s a row).
 # $OUT gets: gpu_thread.log (pytest), engine_<row>.json and engine_<row>.log, engine.txt (table).
@@ -27,9 +28,12 @@ if [ "${ASYNC_TESTS:-0}" = 1 ]; then
 fi
 files=()
 for spec in ${ROWS:-vllm-raw vllm vllm-stream}; do
+  core=thread
+  case $spec in */process) core=process spec=${spec%/process} ;; esac
   row=${spec%%:*} sched=default tag=$spec
   [ "$spec" != "$row" ] && sched=${spec#*:} tag=$row-$sched
-  timeout -s KILL "${T_ROW:-150}" python3 bench/engine.py --engines "$row" --vllm-async-scheduling "$sched" \
+  [ "$core" = process ] && tag=$tag-process spec=$spec/process
+  timeout -s KILL "${T_ROW:-150}" python3 bench/engine.py --engines "$row" --vllm-async-scheduling "$sched" --vllm-core "$core" \
     --gpu-memory-utilization 0.5 --out "$OUT/engine_$tag.json" > "$OUT/engine_$tag.log" 2>&1
   echo "$spec: exit $? $(grep -E '^\{' "$OUT/engine_$tag.log" | tail -1)"
   [ -f "$OUT/engine_$tag.json" ] && files+=("$OUT/engine_$tag.json")
