@@ -51,3 +51,23 @@ def test_hooks_module_imports_nothing_heavy():
 
 def test_the_torch_only_fallback_config_matches_the_real_defaults():
     assert NcclSyncConfig().model_dump() == CONFIG_DEFAULTS
+
+
+def test_source_device_says_where_the_buffers_are(monkeypatch):
+    """The Synchronizer asks the trainer for GPU tensors only when the transport's buffers are
+    on the GPU (``source_device``); on this CPU machine every transport's are in host memory,
+    and asking for the GPU explicitly where none is visible still says ``cpu``."""
+    import torch
+
+    from ferryman_sync_nccl import IpcSync, IpcSyncConfig, NcclSync
+
+    assert NcclSync(NcclSyncConfig(backend="gloo")).source_device == "cpu"
+    assert IpcSync(IpcSyncConfig(device="cpu")).source_device == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert NcclSync(NcclSyncConfig(backend="auto")).source_device == "cpu"
+    assert NcclSync(NcclSyncConfig(backend="nccl")).source_device == "cpu"  # refused later, at connect
+    assert IpcSync(IpcSyncConfig(device="auto")).source_device == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert NcclSync(NcclSyncConfig(backend="nccl")).source_device == "cuda"
+    assert IpcSync(IpcSyncConfig(device="auto")).source_device == "cuda"

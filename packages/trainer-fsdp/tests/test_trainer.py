@@ -297,6 +297,14 @@ def test_weight_buckets_match_hf_and_reproduce_logits(make_trainer, model_dir, u
         assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()
     torch.testing.assert_close(hf_log_probs(fresh, batch), trained, rtol=0, atol=1e-5)
 
+    # asked for by a GPU transport (device != "cpu"): the same buckets, left on the trainer's
+    # own device (here the CPU: values equal bit for bit, nothing copied to host memory)
+    on_device = list(trainer.iter_weight_buckets(budget, device="cuda"))
+    assert [[n for n, _ in b] for b in on_device] == [[n for n, _ in b] for b in buckets]
+    for b in on_device:
+        for name, t in b:
+            assert t.device == trainer.device and t.is_contiguous() and torch.equal(t, weights[name])
+
 
 # ----------------------------------------------------------------------------- checkpoints
 

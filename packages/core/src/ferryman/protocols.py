@@ -206,7 +206,13 @@ class TrainerBackend(Protocol):
 
     def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
         """Full tensors of the actor, gathered per parameter, grouped in buckets of at most
-        ``bucket_bytes`` (a larger tensor forms a bucket alone)."""
+        ``bucket_bytes`` (a larger tensor forms a bucket alone), on the CPU.
+
+        A backend may also take a keyword ``device``: with ``device="cuda"`` (asked by the
+        weight sync when its transport's buffers are on the GPU: the transport's
+        ``source_device``) it may leave the tensors on its own accelerator, valid until its
+        next update; the transport then packs them there without a round trip through host
+        memory. A backend without the keyword is always asked for CPU tensors."""
         ...
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:

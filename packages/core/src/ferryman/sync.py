@@ -21,6 +21,17 @@ from ferryman import trace
 from ferryman.faults import is_replica_lost, watch
 from ferryman.protocols import TrainerBackend, WeightSync
 
+
+def takes_keyword(fn: Any, name: str) -> bool:
+    """Whether callable ``fn`` accepts the keyword argument ``name``."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
 log = logging.getLogger(__name__)
 
 
@@ -95,7 +106,7 @@ class Synchronizer:
         failure. The engines stay paused meanwhile, so no one generates from mixed weights. Before
         a retry, replicas that are gone are dropped."""
         for attempt in range(1, self.max_transfer_attempts + 1):
-            buckets = watch("sync.bucket", self.backend.iter_weight_buckets(self.bucket_bytes))
+            buckets = watch("sync.bucket", self._buckets())
             try:
                 m = await self.transport.transfer(buckets, self.engines, version)
                 m["sync/transfer_attempts"] = float(attempt)
@@ -112,6 +123,15 @@ class Synchronizer:
                 for x in gone:
                     await self._drop(x, f"no answer after a failed transfer: {e!r}")
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _buckets(self) -> Any:
+        """The backend's weight buckets, on the device the transport packs from when both
+        sides can (a GPU transport and a backend whose ``iter_weight_buckets`` takes
+        ``device``: no round trip of the weights through host memory), else on the CPU."""
+        device = str(getattr(self.transport, "source_device", "cpu"))
+        if device != "cpu" and takes_keyword(self.backend.iter_weight_buckets, "device"):
+            return self.backend.iter_weight_buckets(self.bucket_bytes, device=device)
+        return self.backend.iter_weight_buckets(self.bucket_bytes)
 
     @staticmethod
     def _trace_step(step: str, t_perf: float, version: int, **args: Any) -> float:

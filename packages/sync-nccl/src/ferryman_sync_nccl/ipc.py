@@ -395,6 +395,15 @@ class IpcSync(BucketSync):
     def _new_session(self, names: list[str]) -> _IpcSession:
         return _IpcSession(self.config, names, resolve_device(self.config.device))
 
+    @property
+    def source_device(self) -> str:
+        """Where the shared buffers are, so where the trainer's tensors are best handed over
+        (``cuda``: packed on the GPU, no round trip through host memory)."""
+        try:
+            return resolve_device(self.config.device).type
+        except ValueError:
+            return "cpu"
+
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":

@@ -535,3 +535,12 @@ class NcclSync(BucketSync):
         backend = resolve_backend(self.config.backend)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         return _NcclSession(self.config, names, backend, device)
+
+    @property
+    def source_device(self) -> str:
+        """Where this transport's buffers are, so where the trainer's tensors are best handed
+        over (``cuda``: packed on the GPU without a round trip through host memory)."""
+        try:
+            return "cuda" if resolve_backend(self.config.backend) == "nccl" else "cpu"
+        except ValueError:
+            return "cpu"

@@ -668,12 +668,15 @@ class FSDPTrainerBackend:
 
     # ------------------------------------------------------------------ weights
     @_onloaded
-    def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+    def iter_weight_buckets(self, bucket_bytes: int, *, device: str = "cpu") -> Iterator[NamedTensors]:
         """Full actor tensors named as in the transformers model's ``state_dict()`` (so
         ``load_state_dict`` / ``from_pretrained`` accept them), float32, detached, contiguous,
-        on the CPU. A tied parameter appears once, under its first name (for tied embeddings:
-        ``model.embed_tokens.weight``, no ``lm_head.weight``). Every rank must iterate (each
-        tensor is gathered with a collective); every rank yields the same buckets."""
+        on the CPU (copies). With ``device`` other than ``cpu`` (a weight sync whose buffers are
+        on the GPU) they stay on this trainer's device, as gathered (they may share memory
+        with the parameters: valid until the next update). A tied parameter appears once, under
+        its first name (for tied embeddings: ``model.embed_tokens.weight``, no
+        ``lm_head.weight``). Every rank must iterate (each tensor is gathered with a
+        collective); every rank yields the same buckets."""
         if bucket_bytes <= 0:
             raise ValueError(f"iter_weight_buckets: bucket_bytes must be > 0, got {bucket_bytes}")
         _reshard(self.actor)
@@ -684,7 +687,8 @@ class FSDPTrainerBackend:
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            full = _full(t.detach()).to("cpu", copy=True).contiguous()
+            full = _full(t.detach())
+            full = full.to("cpu", copy=True).contiguous() if device == "cpu" else full.contiguous()
             nbytes = full.numel() * full.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket

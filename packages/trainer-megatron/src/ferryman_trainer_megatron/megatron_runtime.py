@@ -404,7 +404,9 @@ class MegatronRuntime:
         return self._reduce(t, dist.ReduceOp.MAX, self.dp_group)
 
     # ------------------------------------------------------------------ weights
-    def iter_hf_weights(self, handle: _Handle) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_hf_weights(self, handle: _Handle, *, on_device: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors: float32 CPU copies, or with ``on_device`` views of the gathered
+        buffer on this rank's device in the parameters' dtype (a fresh buffer per entry)."""
         module = handle.module
         lo, eo = self._offsets(module)
         params = {to_global_name(n, lo, eo): p for n, p in module.named_parameters()}
@@ -438,7 +440,8 @@ class MegatronRuntime:
             offset = 0
             for name, s in zip(e.hf, shapes, strict=True):
                 n = int(torch.Size(s).numel())
-                yield name, flat[offset : offset + n].view(s).to("cpu", torch.float32).contiguous()
+                piece = flat[offset : offset + n].view(s)
+                yield name, piece if on_device else piece.to("cpu", torch.float32).contiguous()
                 offset += n
 
     # ------------------------------------------------------------------ checkpoints

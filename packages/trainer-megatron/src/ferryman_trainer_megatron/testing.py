@@ -128,13 +128,13 @@ class FakeMegatronRuntime:
         return t
 
     # ------------------------------------------------------------------ weights and state
-    def iter_hf_weights(self, handle: _Handle) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_hf_weights(self, handle: _Handle, *, on_device: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         seen: set[int] = set()
         for name, t in handle.model.state_dict(keep_vars=True).items():
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            yield name, t.detach().to("cpu", torch.float32, copy=True).contiguous()
+            yield name, t.detach().contiguous() if on_device else t.detach().to("cpu", torch.float32, copy=True).contiguous()
 
     def save(self, handles: dict[str, _Handle], path: str, with_optim: dict[str, bool]) -> None:
         for role, h in handles.items():

@@ -99,8 +99,9 @@ class Runtime(Protocol):
 
     def dp_max(self, t: torch.Tensor) -> torch.Tensor: ...
 
-    def iter_hf_weights(self, handle: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every full HF-named tensor of the model, float32 CPU, the same on every rank."""
+    def iter_hf_weights(self, handle: Any, *, on_device: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every full HF-named tensor of the model, float32 CPU (``on_device``: on this rank's
+        device, in the parameters' dtype), the same on every rank."""
         ...
 
     def save(self, handles: dict[str, Any], path: str, with_optim: dict[str, bool]) -> None: ...
@@ -392,11 +393,12 @@ class MegatronTrainerBackend:
 
     # ------------------------------------------------------------------ weights
     @_onloaded
-    def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+    def iter_weight_buckets(self, bucket_bytes: int, *, device: str = "cpu") -> Iterator[NamedTensors]:
         """Full actor tensors named as in the HF checkpoint (``model.layers.N.self_attn.q_proj.weight``…,
         per-expert names for MoE; tied embeddings: ``model.embed_tokens.weight`` and no
         ``lm_head.weight``; vocabulary padding stripped), float32, contiguous, on the CPU, in HF
-        checkpoint order. Each tensor is gathered over tensor parallelism (QKV and gate/up
+        checkpoint order; with ``device`` other than ``cpu`` (a weight sync whose buffers are on
+        the GPU) on this rank's device in the parameters' dtype instead. Each tensor is gathered over tensor parallelism (QKV and gate/up
         re-split), pipeline stages and expert ranks as it is reached, so no rank ever holds more
         than one full tensor beyond the current bucket. Every rank must iterate; every rank
         yields the same buckets."""
@@ -404,7 +406,7 @@ class MegatronTrainerBackend:
             raise ValueError(f"iter_weight_buckets: bucket_bytes must be > 0, got {bucket_bytes}")
         bucket: NamedTensors = []
         size = 0
-        for name, t in self.rt.iter_hf_weights(self.actor):
+        for name, t in self.rt.iter_hf_weights(self.actor, on_device=device != "cpu"):
             nbytes = t.numel() * t.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket

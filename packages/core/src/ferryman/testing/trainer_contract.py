@@ -267,6 +267,21 @@ class TrainerContract:
         assert len(names) == len(set(names)), "duplicate names"
         assert names == [n for n, _ in everything[0]], "names/order differ between bucket sizes"
 
+    def test_weight_buckets_on_the_device(self, trainer: TrainerBackend) -> None:
+        """A backend whose ``iter_weight_buckets`` takes ``device`` (what a GPU weight sync asks
+        for) gives the same names and values there, on its own device, contiguous, detached."""
+        from ferryman.sync import takes_keyword
+
+        if not takes_keyword(trainer.iter_weight_buckets, "device"):
+            pytest.skip("iter_weight_buckets takes no device (optional): always CPU tensors")
+        on_cpu = [kv for b in trainer.iter_weight_buckets(1 << 40) for kv in b]
+        on_dev = [kv for b in trainer.iter_weight_buckets(1 << 40, device="cuda") for kv in b]
+        assert [n for n, _ in on_dev] == [n for n, _ in on_cpu], "names/order differ from the CPU buckets"
+        for (name, c), (_, d) in zip(on_cpu, on_dev, strict=True):
+            assert d.is_contiguous() and not d.requires_grad, name
+            assert d.shape == c.shape, name
+            assert torch.equal(d.to("cpu", c.dtype), c), f"{name}: on-device values differ from the CPU ones"
+
     # ------------------------------------------------------------------ checkpoints
     def test_checkpoint_round_trip(self, trainer: TrainerBackend, make_batch: Callable[..., TrainBatch]) -> None:
         batch = self.full_batch(trainer, make_batch, seed=4)
