@@ -169,3 +169,32 @@ def test_installer_joins_parts_checks_hashes_and_refuses_a_corrupt_wheel(tmp_pat
     r = subprocess.run(["bash", "-c", f"source {ROOT}/tools/gpu-install.sh {gathered}; echo rc=$?"], env=env, capture_output=True, text=True)
     assert "rc=3" in r.stdout and "missing or corrupt" in r.stdout
     assert not (tmp_path / "site").exists()
+
+
+def test_download_uses_wheels_already_in_the_cache_and_names_the_build_for_source_only_ones(tmp_path, monkeypatch):
+    """A wheel in the cache (one built here from a source-only release, tools/build-te-torch.sh)
+    is carried as it is and not asked of the index; a source-only pin without its built wheel
+    stops the download with the script that builds it."""
+    tool = _tool()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    pins = [("einops", "0.8.1"), ("transformer-engine-torch", "2.19.0")]
+    monkeypatch.setattr(tool, "carried", lambda *a, **k: list(pins))
+    asked: list[list[tuple[str, str]]] = []
+
+    def fake_pip(fetch, where):  # stands in for pip download from the index
+        asked.append(list(fetch))
+        for n, v in fetch:
+            if n == "einops":
+                (where / f"einops-{v}-py3-none-any.whl").write_bytes(b"x" * 100)
+
+    monkeypatch.setattr(tool, "_pip_download", fake_pip)
+    with pytest.raises(SystemExit, match="transformer-engine-torch==2.19.0.*tools/build-te-torch.sh"):
+        tool.download("megatron-te", tmp_path / "out", cache)
+    assert asked == [pins[:1]]  # the source-only one is never asked of the index
+    (cache / "transformer_engine_torch-2.19.0-cp312-cp312-linux_x86_64.whl").write_bytes(b"y" * 200)
+    asked.clear()
+    tool.download("megatron-te", tmp_path / "out", cache)
+    assert asked == []  # both wheels were in the cache: nothing asked of the index
+    manifest = (tmp_path / "out" / "c1" / "MANIFEST").read_text()
+    assert "einops-0.8.1-py3-none-any.whl" in manifest and "transformer_engine_torch-2.19.0-cp312" in manifest

@@ -4,6 +4,7 @@
     uv run python tools/gpu_wheels.py download [--extra vllm] DIR  # DIR/c1 ... DIR/cN, each <= 56 MiB
     ... --extra vllm --extra megatron                              # two stacks in one set
     ... --with harbor --with litellm                               # carry these named ones too
+    ... --extra vllm --extra megatron-te     # Transformer Engine: tools/build-te-torch.sh first
     uv run python tools/gpu_wheels.py download --only pyzmq DIR    # only these (of the carried set)
 
 The list is ``uv export --frozen --extra EXTRA`` (the stack, ferryman's own needs, the dev group
@@ -39,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MACHINE = ROOT / "tools" / "gpu-machine-packages.txt"
 NOT_CARRIED = ROOT / "tools" / "gpu-not-carried.txt"
 LIMIT = 56 * 2**20
+BUILT_HERE = {"transformer-engine-torch": "tools/build-te-torch.sh"}
+"""Locked packages published as source only, and the script that builds their wheel into the cache."""
 TARGET_ENV = {
     "python_version": "3.12",
     "python_full_version": "3.12.3",
@@ -176,6 +179,29 @@ def download(
     if names:
         pins = only(pins, names)
     cache.mkdir(parents=True, exist_ok=True)
+    # a wheel already in the cache is used as it is: one built here from a source-only release
+    # (tools/build-te-torch.sh) has no index to come from
+    have = {(name, str(version)) for name, version, _, _ in map(lambda w: parse_wheel_filename(w.name), cache.glob("*.whl"))}
+    fetch = [(n, v) for n, v in pins if (n, str(Version(v))) not in have and n not in BUILT_HERE]
+    if fetch:
+        _pip_download(fetch, cache)
+    wheels = {}
+    for w in cache.glob("*.whl"):
+        name, version, _, _ = parse_wheel_filename(w.name)
+        wheels[(name, str(version))] = w
+    want = [(n, str(Version(v))) for n, v in pins]
+    missing = [f"{n}=={v}" for n, v in want if (n, v) not in wheels]
+    if missing:
+        hint = f" (source-only releases are built into {cache} first: {', '.join(f'{n}: {BUILT_HERE[n]}' for n, _ in want if n in BUILT_HERE)})" if any(n in BUILT_HERE for n, _ in want) else ""
+        raise SystemExit(f"gpu_wheels: no wheel downloaded for {', '.join(missing)}{hint}")
+    sizes = pack([wheels[k] for k in want], out)
+    print(f"{len(pins)} wheels, {sum(sizes) / 2**20:.0f} MiB in {len(sizes)} folders under {out} (MANIFEST in c1)")
+    for i, s in enumerate(sizes, 1):
+        print(f"  c{i}: {s / 2**20:.1f} MiB")
+
+
+def _pip_download(pins: list[tuple[str, str]], cache: Path) -> None:
+    """``pip download`` of exactly these pinned wheels for the GPU machine into ``cache``."""
     reqs = cache / "requirements.txt"
     reqs.write_text("".join(f"{n}=={v}\n" for n, v in pins))
     cmd = [_pip_python(), "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
@@ -184,18 +210,6 @@ def download(
         cmd += ["--platform", p]
     cmd += ["--platform", "any"]
     subprocess.run(cmd, check=True)
-    wheels = {}
-    for w in cache.glob("*.whl"):
-        name, version, _, _ = parse_wheel_filename(w.name)
-        wheels[(name, str(version))] = w
-    want = [(n, str(Version(v))) for n, v in pins]
-    missing = [f"{n}=={v}" for n, v in want if (n, v) not in wheels]
-    if missing:
-        raise SystemExit(f"gpu_wheels: no wheel downloaded for {', '.join(missing)}")
-    sizes = pack([wheels[k] for k in want], out)
-    print(f"{len(pins)} wheels, {sum(sizes) / 2**20:.0f} MiB in {len(sizes)} folders under {out} (MANIFEST in c1)")
-    for i, s in enumerate(sizes, 1):
-        print(f"  c{i}: {s / 2**20:.1f} MiB")
 
 
 def pack(wheels: list[Path], out: Path, limit: int = LIMIT) -> list[int]:
