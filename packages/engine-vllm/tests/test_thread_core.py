@@ -247,10 +247,8 @@ async def test_every_request_gets_its_tokens_in_order(fake_vllm, stream, async_s
 
 async def test_requests_that_arrive_during_a_step_enter_together_before_the_next(fake_vllm):
     rec = Recorder()
-    core, fake = await _core(0.05, rec, stream=False)
+    core, fake = await _during_a_slow_step(rec, 50)
     try:
-        await core.add("first", [1], SamplingParams(max_tokens=50), 50)
-        await _until(lambda: fake.in_step)
         t0 = time.perf_counter()
         await asyncio.gather(*(core.add(f"late{i}", [1], SamplingParams(max_tokens=3), 3) for i in range(6)))
         took = time.perf_counter() - t0
@@ -322,12 +320,18 @@ async def test_abort_while_stepping_ends_the_request_once_with_its_tokens(fake_v
         await core.shutdown()
 
 
+async def _during_a_slow_step(rec: Recorder, first_tokens: int) -> tuple[ThreadCore, FakeLLMEngine]:
+    """A core whose vLLM stand-in is in the middle of a 50 ms step for request ``first``."""
+    core, fake = await _core(0.05, rec, stream=False)
+    await core.add("first", [1], SamplingParams(max_tokens=first_tokens), first_tokens)
+    await _until(lambda: fake.in_step)
+    return core, fake
+
+
 async def test_abort_of_a_request_not_yet_in_vllm_never_sends_it(fake_vllm):
     rec = Recorder()
-    core, fake = await _core(0.05, rec, stream=False)
+    core, fake = await _during_a_slow_step(rec, 5)
     try:
-        await core.add("first", [1], SamplingParams(max_tokens=5), 5)
-        await _until(lambda: fake.in_step)
         late = asyncio.ensure_future(core.add("late", [1], SamplingParams(max_tokens=5), 5))
         await asyncio.sleep(0)  # queued behind the running step
         await core.abort(["late"])
@@ -342,10 +346,8 @@ async def test_abort_of_a_request_not_yet_in_vllm_never_sends_it(fake_vllm):
 
 async def test_a_caller_that_gives_up_while_its_request_enters_leaves_nothing_running(fake_vllm):
     rec = Recorder()
-    core, fake = await _core(0.05, rec, stream=False)
+    core, fake = await _during_a_slow_step(rec, 3)
     try:
-        await core.add("first", [1], SamplingParams(max_tokens=3), 3)
-        await _until(lambda: fake.in_step)
         gone = asyncio.ensure_future(core.add("gone", [1], SamplingParams(max_tokens=1000), 1000))
         await _until(lambda: "gone" in fake.entered_at)  # the next step call has sent it
         gone.cancel()
