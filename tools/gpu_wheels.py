@@ -181,15 +181,12 @@ def download(
     cache.mkdir(parents=True, exist_ok=True)
     # a wheel already in the cache is used as it is: one built here from a source-only release
     # (tools/build-te-torch.sh) has no index to come from
-    have = {(name, str(version)) for name, version, _, _ in map(lambda w: parse_wheel_filename(w.name), cache.glob("*.whl"))}
-    fetch = [(n, v) for n, v in pins if (n, str(Version(v))) not in have and n not in BUILT_HERE]
+    want = [(n, str(Version(v))) for n, v in pins]
+    wheels = _cached(cache)
+    fetch = [(n, v) for (n, v), k in zip(pins, want, strict=True) if k not in wheels and n not in BUILT_HERE]
     if fetch:
         _pip_download(fetch, cache)
-    wheels = {}
-    for w in cache.glob("*.whl"):
-        name, version, _, _ = parse_wheel_filename(w.name)
-        wheels[(name, str(version))] = w
-    want = [(n, str(Version(v))) for n, v in pins]
+        wheels = _cached(cache)
     missing = [f"{n}=={v}" for n, v in want if (n, v) not in wheels]
     if missing:
         hint = f" (source-only releases are built into {cache} first: {', '.join(f'{n}: {BUILT_HERE[n]}' for n, _ in want if n in BUILT_HERE)})" if any(n in BUILT_HERE for n, _ in want) else ""
@@ -198,6 +195,15 @@ def download(
     print(f"{len(pins)} wheels, {sum(sizes) / 2**20:.0f} MiB in {len(sizes)} folders under {out} (MANIFEST in c1)")
     for i, s in enumerate(sizes, 1):
         print(f"  c{i}: {s / 2**20:.1f} MiB")
+
+
+def _cached(cache: Path) -> dict[tuple[str, str], Path]:
+    """The wheels in ``cache`` by (name, version)."""
+    out = {}
+    for w in cache.glob("*.whl"):
+        name, version, _, _ = parse_wheel_filename(w.name)
+        out[(name, str(version))] = w
+    return out
 
 
 def _pip_download(pins: list[tuple[str, str]], cache: Path) -> None:
