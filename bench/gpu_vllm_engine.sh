@@ -14,18 +14,14 @@
 set -u
 source "$(dirname "$0")/gpu_common.sh"
 cd "$ROOT" || exit 1
-if [ "${TESTS:-1}" != 0 ]; then
-  FERRYMAN_VLLM_TEST_CORES=thread timeout -s KILL "${T_TESTS:-240}" python3 -m pytest -o addopts="" -m gpu \
-    --import-mode=importlib -p no:cacheprovider -q -rA --durations=10 --timeout 150 \
-    packages/engine-vllm/tests/test_gpu.py > "$OUT/gpu_thread.log" 2>&1
-  echo "thread core GPU tests: $(tail -1 "$OUT/gpu_thread.log")"
-fi
-if [ "${ASYNC_TESTS:-0}" = 1 ]; then
-  FERRYMAN_VLLM_TEST_ASYNC=1 FERRYMAN_VLLM_TEST_CORES=thread timeout -s KILL "${T_TESTS:-240}" python3 -m pytest -o addopts="" -m gpu \
-    --import-mode=importlib -p no:cacheprovider -q -rA --durations=10 --timeout 150 \
-    packages/engine-vllm/tests/test_gpu.py > "$OUT/gpu_thread_async.log" 2>&1
-  echo "thread core GPU tests, async scheduling on: $(tail -1 "$OUT/gpu_thread_async.log")"
-fi
+gpu_tests() {  # gpu_tests LOG ASYNC(0|1): the thread core's GPU tests
+  FERRYMAN_VLLM_TEST_ASYNC=$2 FERRYMAN_VLLM_TEST_CORES=thread timeout -s KILL "${T_TESTS:-240}" python3 -m pytest \
+    -o addopts="" -m gpu --import-mode=importlib -p no:cacheprovider -q -rA --durations=10 --timeout 150 \
+    packages/engine-vllm/tests/test_gpu.py > "$OUT/$1" 2>&1
+  echo "thread core GPU tests$([ "$2" = 1 ] && echo ", async scheduling on"): $(tail -1 "$OUT/$1")"
+}
+[ "${TESTS:-1}" != 0 ] && gpu_tests gpu_thread.log 0
+[ "${ASYNC_TESTS:-0}" = 1 ] && gpu_tests gpu_thread_async.log 1
 files=()
 for spec in ${ROWS:-vllm-raw vllm vllm-stream}; do
   core=thread
