@@ -406,7 +406,7 @@ class ThreadCore:
         self._frozen = True
         # after the step in progress, whose outputs the pump hands out first (and, with async
         # scheduling, the batch still on the GPU)
-        return await self._quiet(lambda: self._made(sorted(self._live)))
+        return await self._quiet(self._made, sorted(self._live))
 
     async def unfreeze(self) -> None:
         self._frozen = False
