@@ -11,16 +11,23 @@
 # --extra megatron`). The pipeline with the Megatron trainer (run 2) is bench/gpu_e2e.sh:
 #   RUN_NAME=one_gpu_megatron bench/gpu_e2e.sh trainer.type=megatron
 # $OUT gets: megatron_tests.txt, train_step.jsonl, train_step.txt. TESTS=0 skips the tests,
-# SHAPES="7b" picks the train_step rows (default "1.5b 7b"), T_TESTS / T_15B / T_7B bound each.
+# SHAPES="7b" picks the train_step rows (default "1.5b 7b"), MEG_IMPL=transformer_engine runs
+# them with TE's layer spec (trainer.transformer_impl; the set from `--extra megatron-te`, whose
+# GPU tests then run with TE too), T_TESTS / T_15B / T_7B bound each.
 set -u
 source "$(dirname "$0")/gpu_common.sh"
 cd "$ROOT" || exit 1
 python3 -c "import megatron.core" 2>/dev/null || { echo "megatron-core is not installed (carry it: --extra megatron)"; exit 4; }
+MEG_IMPL=${MEG_IMPL:-local}
+if [ "$MEG_IMPL" = transformer_engine ]; then
+  python3 -c "import transformer_engine.pytorch as te; print('transformer_engine', te.__version__)" 2>&1 | tail -3
+  python3 -c "import transformer_engine.pytorch" 2>/dev/null || { echo "transformer_engine does not import (carry --extra megatron-te)"; exit 4; }
+fi
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${T_TESTS:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -s packages/trainer-megatron/tests/test_gpu.py \
+  timeout "${T_TESTS:-360}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider -s --durations=8 packages/trainer-megatron/tests/test_gpu.py \
     > "$OUT/megatron_tests.txt" 2>&1
-  echo "megatron GPU tests exited with $?"; grep -E "PARITY|passed|failed|Error" "$OUT/megatron_tests.txt" | tail -8
+  echo "megatron GPU tests exited with $?"; grep -E "PARITY|passed|failed|Error|SKIP" "$OUT/megatron_tests.txt" | tail -14
 fi
 # 7B: FSDP fits one H200 (16 bytes a parameter of states); Megatron's mixed-precision optimizer
 # needs 18 (its bf16 weights besides float32 main weights): 128 GiB of states at 7.6 B
@@ -30,9 +37,9 @@ fi
 for spec in "1.5b ${T_15B:-150} 0" "7b ${T_7B:-300} ${MEG_OFFLOAD_7B:-0.3}"; do
   set -- $spec
   case " ${SHAPES:-1.5b 7b} " in *" $1 "*) ;; *) continue ;; esac
-  echo "=== train_step --trainer both --shape $1 --megatron-offload-fraction $3" | tee -a "$OUT/train_step.txt"
+  echo "=== train_step --trainer both --shape $1 --megatron-offload-fraction $3 --megatron-impl $MEG_IMPL" | tee -a "$OUT/train_step.txt"
   timeout "$2" torchrun --standalone --nproc-per-node 1 bench/train_step.py --shape "$1" --seq-len 8192 --steps 2 \
-    --trainer both --megatron-offload-fraction "$3" --json "$OUT/train_step.jsonl" >> "$OUT/train_step.txt" 2>&1
+    --trainer both --megatron-offload-fraction "$3" --megatron-impl "$MEG_IMPL" --json "$OUT/train_step.jsonl" >> "$OUT/train_step.txt" 2>&1
   echo "exit $?" >> "$OUT/train_step.txt"
 done
 grep -E "^\[|RESULT|RATIO|OutOfMemory|Error:|exit" "$OUT/train_step.txt" | grep -v Warning | tail -20

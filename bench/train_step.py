@@ -123,6 +123,8 @@ def main() -> int:
     ap.add_argument("--offload-optimizer", action="store_true")
     ap.add_argument("--megatron-offload-fraction", type=float, default=0.0,
                     help="megatron: share of the optimizer (main weights, Adam states) kept and stepped in host memory")
+    ap.add_argument("--megatron-impl", choices=("local", "transformer_engine"), default="local",
+                    help="megatron: trainer.transformer_impl (transformer_engine needs the megatron-te extra)")
     ap.add_argument("--model-dir", default=None, help="reuse a model saved by an earlier run")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--json", default=None, help="append the result as one JSON line to this file")
@@ -186,6 +188,7 @@ def main() -> int:
             grad_clip=1.0,
             use_distributed_optimizer=True,
             optimizer_offload_fraction=args.megatron_offload_fraction,
+            transformer_impl=args.megatron_impl,
         )
         return make_megatron_trainer(cfg, model_path=str(model_dir), algorithm=AlgorithmConfig(), seed=0)
 
@@ -228,6 +231,7 @@ def main() -> int:
             "checkpoint_layers": "none" if args.no_checkpointing else (
                 "all" if args.checkpoint_layers is None else args.checkpoint_layers),
             "offload_optimizer": args.offload_optimizer if trainer == "fsdp" else args.megatron_offload_fraction,
+            "transformer_impl": args.megatron_impl if trainer == "megatron" else None,
             "step_s": round(mean, 4),
             "tokens_per_s": round(tok_s, 1),
             "tokens_per_s_per_gpu": round(tok_s / world, 1),
