@@ -20,7 +20,7 @@ cd "$ROOT" || exit 1
 python3 -c "import megatron.core" 2>/dev/null || { echo "megatron-core is not installed (carry it: --extra megatron)"; exit 4; }
 MEG_IMPL=${MEG_IMPL:-local}
 if [ "$MEG_IMPL" = transformer_engine ]; then
-  python3 -c "import transformer_engine.pytorch as te; print('transformer_engine', te.__version__)" 2>&1 | tail -3
+  python3 -c "import transformer_engine as te; print('transformer_engine', te.__version__)" 2>&1 | tail -3
   python3 -c "import transformer_engine.pytorch" 2>/dev/null || { echo "transformer_engine does not import (carry --extra megatron-te)"; exit 4; }
 fi
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
