@@ -26,12 +26,6 @@ else
   export PYTHONPATH
   export FERRYMAN_PLUGINS=ferryman_engine_hf.hooks,ferryman_engine_vllm.hooks,ferryman_trainer_fsdp.hooks,ferryman_sync_nccl.hooks,ferryman_router.hooks
 fi
-# torch's own cuDNN first: the machine also has a system cuDNN in /lib/x86_64-linux-gnu, and
-# Transformer Engine, when it is imported before torch has loaded cuDNN (megatron's
-# dist_checkpointing imports it at import time), dlopens that one and fails on a symbol of the
-# other's libcudnn_graph (measured: "undefined symbol _ZTVN5cudnn7backend12OperationSetE")
-_cudnn=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0] + '/lib')" 2>/dev/null)
-[ -n "$_cudnn" ] && [ -d "$_cudnn" ] && export LD_LIBRARY_PATH="$_cudnn${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 FERRYMAN=(python3 -m ferryman.cli)
 # what the machine is, once, for the record
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
