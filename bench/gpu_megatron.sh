@@ -12,16 +12,16 @@
 #   RUN_NAME=one_gpu_megatron bench/gpu_e2e.sh trainer.type=megatron
 # $OUT gets: megatron_tests.txt, train_step.jsonl, train_step.txt. TESTS=0 skips the tests,
 # SHAPES="7b" picks the train_step rows (default "1.5b 7b"), MEG_IMPL=transformer_engine runs
-# them with TE's layer spec (trainer.transformer_impl; the set from `--extra megatron-te`, whose
-# GPU tests then run with TE too), T_TESTS / T_15B / T_7B bound each.
+# them with TE's layer spec (trainer.transformer_impl; needs the set from `--extra megatron-te`;
+# the GPU tests run with TE as well whenever it imports), T_TESTS / T_15B / T_7B bound each.
 set -u
 source "$(dirname "$0")/gpu_common.sh"
 cd "$ROOT" || exit 1
 python3 -c "import megatron.core" 2>/dev/null || { echo "megatron-core is not installed (carry it: --extra megatron)"; exit 4; }
 MEG_IMPL=${MEG_IMPL:-local}
 if [ "$MEG_IMPL" = transformer_engine ]; then
-  python3 -c "import transformer_engine as te; print('transformer_engine', te.__version__)" 2>&1 | tail -3
-  python3 -c "import transformer_engine.pytorch" 2>/dev/null || { echo "transformer_engine does not import (carry --extra megatron-te)"; exit 4; }
+  python3 -W ignore -c "import transformer_engine as te, transformer_engine.pytorch; print('transformer_engine', te.__version__)" ||
+    { echo "transformer_engine does not import (carry --extra megatron-te)"; exit 4; }
 fi
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 if [ "${TESTS:-1}" = 1 ]; then

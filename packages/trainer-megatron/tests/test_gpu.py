@@ -84,7 +84,7 @@ def test_log_probs_and_ppo_step_match_fsdp_at_qwen2_5_1_5b_shape(tmp_path, impl)
         assert mean < 1e-2, mean
         full = fill_train_batch(fsdp, batch)
         m_f, m_m = fsdp.update_actor(full), meg.update_actor(full)
-        print(f"PARITY pg_loss fsdp {m_f['actor/pg_loss']:.6f} megatron {m_m['actor/pg_loss']:.6f}; "
+        print(f"PARITY [{impl}] pg_loss fsdp {m_f['actor/pg_loss']:.6f} megatron {m_m['actor/pg_loss']:.6f}; "
               f"grad_norm {m_f['actor/grad_norm']:.4f} / {m_m['actor/grad_norm']:.4f}")
         # The step's ratios are exp(lp_new - old): 1 for FSDP, whose forward gave `old`, and
         # exp(lp_m - lp_f) for Megatron. The clipped objective moves by at most |A| |r - 1| per
@@ -93,7 +93,7 @@ def test_log_probs_and_ppo_step_match_fsdp_at_qwen2_5_1_5b_shape(tmp_path, impl)
         # (with a quarter of slack for the train-mode forwards, which are not the ones above).
         lm = full.loss_mask.bool()
         bound = float((torch.expm1((lp_f - lp_m).abs()) * full.advantages.abs().double())[lm].mean())
-        print(f"PARITY pg_loss bound from the log-prob difference {bound:.3e}")
+        print(f"PARITY [{impl}] pg_loss bound from the log-prob difference {bound:.3e}")
         assert abs(m_f["actor/pg_loss"] - m_m["actor/pg_loss"]) <= 1.25 * bound + 1e-4, (m_f, m_m, bound)
         assert abs(m_f["actor/grad_norm"] - m_m["actor/grad_norm"]) < 5e-2 * m_f["actor/grad_norm"], (m_f, m_m)
     finally:
