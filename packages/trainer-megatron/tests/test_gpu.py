@@ -12,12 +12,15 @@ pytestmark = pytest.mark.gpu
 from ferryman.config import AlgorithmConfig  # noqa: E402
 from ferryman.testing.trainer_contract import TrainerContract, fill_train_batch, random_train_batch  # noqa: E402
 from ferryman.tiny import build_tiny_model  # noqa: E402
+from ferryman_trainer_megatron.cuda_libs import share_torch_cudnn  # noqa: E402
 
 VOCAB = 160
 IMPLS = ["local", "transformer_engine"]
 
 
 def _need(impl: str) -> None:
+    # as the trainer does, before Megatron imports Transformer Engine (ferryman_trainer_megatron.cuda_libs)
+    share_torch_cudnn()
     pytest.importorskip("megatron.core")
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
@@ -113,6 +116,7 @@ def test_exported_weights_loaded_into_vllm_give_the_trainers_greedy_tokens(tmp_p
     transformers-greedy sequences, which must then be vLLM's own."""
     import asyncio
 
+    share_torch_cudnn()
     pytest.importorskip("megatron.core")
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():

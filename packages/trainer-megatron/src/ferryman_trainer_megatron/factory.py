@@ -13,7 +13,13 @@ class MegatronMissingError(ImportError):
 
 
 def require_megatron() -> None:
-    """Raise :class:`MegatronMissingError` (one line naming the extra) without megatron-core."""
+    """Raise :class:`MegatronMissingError` (one line naming the extra) without megatron-core.
+
+    Points Transformer Engine at torch's cuDNN first (:func:`~ferryman_trainer_megatron.cuda_libs.share_torch_cudnn`):
+    importing Megatron imports TE, which picks its cuDNN then."""
+    from ferryman_trainer_megatron.cuda_libs import share_torch_cudnn
+
+    share_torch_cudnn()
     try:
         import megatron.core  # noqa: F401
     except ImportError as e:

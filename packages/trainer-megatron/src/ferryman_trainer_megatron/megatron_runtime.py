@@ -147,6 +147,10 @@ class MegatronRuntime:
         """``_device="cpu"`` is for the CPU check of this class (tests/megatron_cpu_runtime.py,
         which patches Megatron's CUDA-only calls); runs use CUDA."""
         global _USERS
+        from ferryman_trainer_megatron.cuda_libs import share_torch_cudnn
+
+        if _device == "cuda":
+            share_torch_cudnn()  # before Megatron imports Transformer Engine (a Ray worker starts here)
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from transformers import AutoConfig
