@@ -35,7 +35,9 @@ VARIANTS = ("local", "te", "te-rope-unfused", "te-unfused-attn")
 
 def _te_backend() -> str:
     try:
-        from transformer_engine.pytorch.attention.dot_product_attention import _attention_backends as b
+        from transformer_engine.pytorch.attention.dot_product_attention import (
+            _attention_backends as b,
+        )
     except ImportError:
         return "-"
     if b.get("use_fused_attention"):
@@ -100,7 +102,9 @@ def main() -> None:
                 except ImportError as e:
                     print(f"{dtype:9s} {variant:16s} skipped: {e}", flush=True)
                     continue
-                from transformer_engine.pytorch.attention.dot_product_attention import _attention_backends
+                from transformer_engine.pytorch.attention.dot_product_attention import (
+                    _attention_backends,
+                )
 
                 _attention_backends["backend_selection_requires_update"] = True
                 _attention_backends["attention_params"] = None
@@ -135,8 +139,7 @@ def main() -> None:
             print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     if args.json:
         with open(args.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 if __name__ == "__main__":
