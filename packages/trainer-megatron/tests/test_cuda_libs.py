@@ -67,3 +67,31 @@ def test_without_cudnn_or_maps_nothing_is_set(monkeypatch, tmp_path):
     (tmp_path / "maps").write_text("1-2 r--p 0 0:0 1 /usr/lib/libc.so.6\n")
     assert share_torch_cudnn(str(tmp_path / "maps")) is None
     assert "CUDNN_PATH" not in cuda_libs.os.environ
+
+
+def test_the_sublibraries_in_torchs_folder_are_opened_graph_first_and_a_bad_one_is_passed_over(
+    monkeypatch, tmp_path
+):
+    import torch
+
+    for name in ["libcudnn.so.9", "libcudnn_heuristic.so.9", "libcudnn_graph.so.9", "libcudnn_ops.so.9", "libc.so.6"]:
+        (tmp_path / name).write_bytes(b"")
+    opened = []
+
+    def fake_cdll(path, mode=0):
+        opened.append((path.rsplit("/", 1)[-1], mode))
+        if "ops" in path:
+            raise OSError("cannot open")
+
+    monkeypatch.setattr(cuda_libs.ctypes, "CDLL", fake_cdll)
+    monkeypatch.delenv("CUDNN_HOME", raising=False)
+    monkeypatch.delenv("CUDNN_PATH", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91000)
+    maps = tmp_path / "maps"
+    maps.write_text(f"1-2 r--p 0 0:0 1 {tmp_path}/libcudnn.so.9\n")
+    assert share_torch_cudnn(str(maps)) == str(tmp_path)
+    names = [n for n, _ in opened]
+    assert names[0] == "libcudnn_graph.so.9"
+    assert sorted(names) == ["libcudnn.so.9", "libcudnn_graph.so.9", "libcudnn_heuristic.so.9", "libcudnn_ops.so.9"]
+    assert {m for _, m in opened} == {cuda_libs.ctypes.RTLD_GLOBAL}

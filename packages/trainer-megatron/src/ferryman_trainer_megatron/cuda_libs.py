@@ -12,12 +12,18 @@ _ZTVN5cudnn7backend12OperationSetE``, or, with torch's folder first on ``LD_LIBR
 
 :func:`share_torch_cudnn` sets ``CUDNN_PATH`` to the folder of the ``libcudnn.so.N`` that torch
 has loaded, before Megatron (whose ``dist_checkpointing`` imports TE) is imported. TE's search
-then finds that very file, which the process has open already. A ``CUDNN_HOME`` or ``CUDNN_PATH``
-that the user set is left as it is.
+then finds that very file, which the process has open already. TE's core library also needs
+some of cuDNN's sublibraries by name (``libcudnn_heuristic.so.9``, ...), which the loader would
+still take from the system folder (measured: ``/lib/x86_64-linux-gnu/libcudnn_heuristic.so.9:
+undefined symbol``), so every ``libcudnn*.so.*`` in torch's folder is opened globally first.
+Together these made TE's fused attention and ``train_step`` run on the H200. A ``CUDNN_HOME`` or
+``CUDNN_PATH`` that the user set is left as it is, and nothing is preloaded then.
 """
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import os
 import re
 
@@ -56,4 +62,18 @@ def share_torch_cudnn(maps_path: str = _MAPS) -> str | None:
         return None
     if found is not None:
         os.environ["CUDNN_PATH"] = found
+        _preload_sublibraries(found)
     return found
+
+
+def _preload_sublibraries(folder: str) -> None:
+    """Open torch's cuDNN sublibraries (``libcudnn_graph.so.9``, ``libcudnn_heuristic.so.9``, ...)
+    globally, so that TE's core library, which needs some of them by name, gets these and not the
+    system's (measured: ``/lib/x86_64-linux-gnu/libcudnn_heuristic.so.9: undefined symbol``).
+    The graph library first: the others need it. One that does not open is passed over."""
+    names = sorted(glob.glob(os.path.join(folder, "libcudnn*.so.*")), key=lambda p: ("graph" not in p, p))
+    for path in names:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            pass
