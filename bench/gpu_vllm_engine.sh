@@ -8,19 +8,21 @@
 # Environment: ROWS (default "vllm-raw vllm vllm-stream"; ROW:on / ROW:off runs a row with vLLM's
 # async scheduling on / off, ROW/process with --vllm-core process, e.g.
 # "vllm-raw vllm-raw:off vllm vllm:on vllm/process"), TESTS=0 skips the tests,
-# ASYNC_TESTS=1 runs them again with the thread core's async scheduling on, T_TESTS (default 240 s
+# SYNC_TESTS=1 runs them again with the thread core's async scheduling off (the default is vLLM's:
+# on), ASYNC_TESTS=1 with it on explicitly, T_TESTS (default 240 s
 # each), T_ROW (default 150 s a row).
 # $OUT gets: gpu_thread.log (pytest), engine_<row>.json and engine_<row>.log, engine.txt (table).
 set -u
 source "$(dirname "$0")/gpu_common.sh"
 cd "$ROOT" || exit 1
-gpu_tests() {  # gpu_tests LOG ASYNC(0|1): the thread core's GPU tests
+gpu_tests() {  # gpu_tests LOG ASYNC(0|1|""): the thread core's GPU tests
   FERRYMAN_VLLM_TEST_ASYNC=$2 FERRYMAN_VLLM_TEST_CORES=thread timeout -s KILL "${T_TESTS:-240}" python3 -m pytest \
     -o addopts="" -m gpu --import-mode=importlib -p no:cacheprovider -q -rA --durations=10 --timeout 150 \
     packages/engine-vllm/tests/test_gpu.py > "$OUT/$1" 2>&1
-  echo "thread core GPU tests$([ "$2" = 1 ] && echo ", async scheduling on"): $(tail -1 "$OUT/$1")"
+  echo "thread core GPU tests$([ "$2" = 1 ] && echo ", async scheduling on")$([ "$2" = 0 ] && echo ", async scheduling off"): $(tail -1 "$OUT/$1")"
 }
-[ "${TESTS:-1}" != 0 ] && gpu_tests gpu_thread.log 0
+[ "${TESTS:-1}" != 0 ] && gpu_tests gpu_thread.log ""
+[ "${SYNC_TESTS:-0}" = 1 ] && gpu_tests gpu_thread_sync.log 0
 [ "${ASYNC_TESTS:-0}" = 1 ] && gpu_tests gpu_thread_async.log 1
 files=()
 for spec in ${ROWS:-vllm-raw vllm vllm-stream}; do

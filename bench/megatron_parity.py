@@ -6,10 +6,11 @@ at the Qwen2.5-1.5B shape in bf16 to 1e-2. This script shows what each part cont
 log-probs once per dtype, then Megatron's with each variant, one after the other in one process:
 
 - ``local``: the local layer spec (ferryman's SDPA attention);
-- ``te``: TE's layer spec as trainer-megatron builds it (fused RoPE, TE's attention backend);
-- ``te-rope-unfused``: the same with ``apply_rope_fusion=False`` (Megatron's RoPE in torch);
-- ``te-unfused-attn``: the same with TE's attention forced to its unfused backend
-  (``NVTE_FUSED_ATTN=0 NVTE_FLASH_ATTN=0``).
+- ``te``: TE's layer spec as trainer-megatron builds it by default (Megatron's RoPE in torch,
+  TE's attention backend chosen by TE);
+- ``te-rope-fused``: the same with TE's fused RoPE (``trainer.rope_fusion: true``);
+- ``te-unfused-attn``: the default TE spec with TE's attention forced to its unfused backend
+  (Megatron's ``attention_backend=unfused``, which sets ``NVTE_*_ATTN`` itself).
 
 In float32 every variant must agree with FSDP to rounding (a wrong weight mapping would not);
 in bf16 the differences are rounding carried through the layers, and the variants show which
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = ("local", "te", "te-rope-unfused", "te-unfused-attn")
+VARIANTS = ("local", "te", "te-rope-fused", "te-unfused-attn")
 
 
 def _te_backend() -> str:
@@ -108,14 +109,20 @@ def main() -> None:
 
                 _attention_backends["backend_selection_requires_update"] = True
                 _attention_backends["attention_params"] = None
-            env = {"NVTE_FUSED_ATTN": "0", "NVTE_FLASH_ATTN": "0"} if variant == "te-unfused-attn" else {}
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            if variant == "te-rope-unfused":
-                megatron_runtime.transformer_config_kwargs = lambda shape, trainer: {**original_kwargs(shape, trainer), "apply_rope_fusion": False}
+            # Megatron sets NVTE_{FLASH,FUSED,UNFUSED}_ATTN from its attention_backend when they are
+            # unset and refuses other values: each variant starts with them unset
+            for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+                os.environ.pop(k, None)
+            if variant == "te-unfused-attn":
+                from megatron.core.transformer.enums import AttnBackend
+
+                megatron_runtime.transformer_config_kwargs = lambda shape, trainer: {
+                    **original_kwargs(shape, trainer), "attention_backend": AttnBackend.unfused}
+            extra = {"rope_fusion": True} if variant == "te-rope-fused" else {}
             t0 = time.perf_counter()
             try:
-                meg = make_megatron_trainer(MegatronTrainerConfig(**common, transformer_impl=impl), model_path=path, algorithm=alg, seed=0)
+                meg = make_megatron_trainer(MegatronTrainerConfig(**common, transformer_impl=impl, **extra),
+                                            model_path=path, algorithm=alg, seed=0)
                 try:
                     for name, batch in batches.items():
                         lp = meg.compute_log_probs(batch).cpu()
@@ -131,11 +138,6 @@ def main() -> None:
                 rows.append(dict(dtype=dtype, variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}"))
             finally:
                 megatron_runtime.transformer_config_kwargs = original_kwargs
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
             print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     if args.json:
         with open(args.json, "a") as f:

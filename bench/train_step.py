@@ -176,10 +176,14 @@ def main() -> int:
                 grad_clip=1.0,
             )
             return FSDPTrainerBackend(cfg, model_path=str(model_dir), algorithm=AlgorithmConfig(), seed=0)
-        from ferryman_trainer_megatron.config import MegatronTrainerConfig
         from ferryman_trainer_megatron.factory import make_megatron_trainer
 
-        cfg = MegatronTrainerConfig(
+        return make_megatron_trainer(megatron_config(), model_path=str(model_dir), algorithm=AlgorithmConfig(), seed=0)
+
+    def megatron_config():
+        from ferryman_trainer_megatron.config import MegatronTrainerConfig
+
+        return MegatronTrainerConfig(
             lr=1e-6,
             param_dtype="bfloat16",
             recompute="none" if args.no_checkpointing else "full",
@@ -190,7 +194,6 @@ def main() -> int:
             optimizer_offload_fraction=args.megatron_offload_fraction,
             transformer_impl=args.megatron_impl,
         )
-        return make_megatron_trainer(cfg, model_path=str(model_dir), algorithm=AlgorithmConfig(), seed=0)
 
     def measure(trainer: str) -> dict:
         if cuda:
@@ -232,6 +235,8 @@ def main() -> int:
                 "all" if args.checkpoint_layers is None else args.checkpoint_layers),
             "offload_optimizer": args.offload_optimizer if trainer == "fsdp" else args.megatron_offload_fraction,
             "transformer_impl": args.megatron_impl if trainer == "megatron" else None,
+            # float32 main weights kept as 16-bit remainders of the bf16 ones (TE's FusedAdam)
+            "optimizer_param_remainders": megatron_config().param_remainders if trainer == "megatron" else None,
             "step_s": round(mean, 4),
             "tokens_per_s": round(tok_s, 1),
             "tokens_per_s_per_gpu": round(tok_s / world, 1),

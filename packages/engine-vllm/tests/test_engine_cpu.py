@@ -89,7 +89,8 @@ def test_config_defaults_map_to_engine_args():
     assert args["worker_extension_cls"] == "ferryman_engine_vllm.worker.FerrymanWorkerExtension"
     assert args["skip_tokenizer_init"] is True
     assert "enable_return_routed_experts" not in args
-    assert "async_scheduling" not in args  # the thread core's own default (off), vLLM's for process
+    assert "async_scheduling" not in args  # vLLM's own default (on where supported), either core
+    assert VLLMEngineConfig(async_scheduling=False).engine_args(model_path="/m", seed=0)["async_scheduling"] is False
     assert VLLMEngineConfig(async_scheduling=True).engine_args(model_path="/m", seed=0)["async_scheduling"] is True
     args = VLLMEngineConfig(return_routed_experts=True, kv_cache_memory_bytes=2**30, engine_kwargs={"block_size": 32}).engine_args(
         model_path="/m", seed=0

@@ -4,7 +4,8 @@ Run on a machine with an NVIDIA GPU and vLLM 0.24 installed::
 
     pytest -m gpu packages/engine-vllm/tests/test_gpu.py
 
-``FERRYMAN_VLLM_TEST_ASYNC=1`` runs them with ``async_scheduling: true``.
+``FERRYMAN_VLLM_TEST_ASYNC=1`` / ``=0`` runs them with ``async_scheduling: true`` / ``false``
+(unset: the default, vLLM's own, which is on).
 ``FERRYMAN_VLLM_TEST_CORES`` picks the cores (``thread``, ``process`` or ``thread,process``;
 default ``thread``). One engine per core is started for the whole module (a vLLM start takes
 many seconds); tests leave it resumed, at its own weights, in ``abort`` pause mode.
@@ -136,8 +137,8 @@ async def vllm_engine(request, model_dir):
         max_num_seqs=64,
         # a few ms per step keeps the abort tests deterministic (thread core only)
         step_delay_s=0.003 if core == "thread" else 0.0,
-        # FERRYMAN_VLLM_TEST_ASYNC=1: the thread core with vLLM's async scheduling on
-        async_scheduling=True if os.environ.get("FERRYMAN_VLLM_TEST_ASYNC") == "1" else None,
+        # FERRYMAN_VLLM_TEST_ASYNC=1 / 0: vLLM's async scheduling on / off (unset: the default)
+        async_scheduling={"1": True, "0": False}.get(os.environ.get("FERRYMAN_VLLM_TEST_ASYNC", "")),
     )
     engine = make_vllm_engine(cfg, model_path=str(model_dir), replica=f"gpu-{core}", seed=0)
     await engine.start()

@@ -142,3 +142,45 @@ def test_registered_through_the_plugin_host_and_a_run_config_parses():
     spec = host.get("trainer", "megatron")
     assert spec.config_cls is MegatronTrainerConfig
     assert host.owner("trainer", "megatron").distribution == "ferryman-trainer-megatron"
+
+
+def test_te_rope_fusion_is_off_unless_asked_and_needs_te():
+    shape = model_shape(Qwen2Config(**QWEN25_15B))
+    te = MegatronTrainerConfig(transformer_impl="transformer_engine")
+    assert transformer_config_kwargs(shape, te)["apply_rope_fusion"] is False
+    assert transformer_config_kwargs(shape, te)["masked_softmax_fusion"] is True
+    fused = MegatronTrainerConfig(transformer_impl="transformer_engine", rope_fusion=True)
+    assert transformer_config_kwargs(shape, fused)["apply_rope_fusion"] is True
+    assert transformer_config_kwargs(shape, MegatronTrainerConfig())["apply_rope_fusion"] is False
+    with pytest.raises(ValidationError, match="rope_fusion"):
+        MegatronTrainerConfig(rope_fusion=True)
+
+
+def test_param_remainders_default_to_te_bf16_without_offload_and_name_what_they_lack():
+    import torch
+
+    te = MegatronTrainerConfig(transformer_impl="transformer_engine")
+    assert te.param_remainders
+    kw = optimizer_config_kwargs(te, critic=False, params_dtype=torch.bfloat16)
+    assert kw["use_precision_aware_optimizer"] and kw["store_param_remainders"] and kw["use_distributed_optimizer"]
+    assert "optimizer_cpu_offload" not in kw
+    # off: the local spec, float32 parameters, no distributed optimizer, offload (which is precision-aware on its own)
+    for off in [MegatronTrainerConfig(), MegatronTrainerConfig(transformer_impl="transformer_engine", param_dtype="float32"),
+                MegatronTrainerConfig(transformer_impl="transformer_engine", use_distributed_optimizer=False),
+                MegatronTrainerConfig(transformer_impl="transformer_engine", optimizer_param_remainders=False)]:
+        assert not off.param_remainders
+        assert "use_precision_aware_optimizer" not in optimizer_config_kwargs(off, critic=False, params_dtype=torch.bfloat16)
+    offloaded = MegatronTrainerConfig(transformer_impl="transformer_engine", optimizer_offload_fraction=0.3)
+    assert not offloaded.param_remainders
+    assert "store_param_remainders" not in optimizer_config_kwargs(offloaded, critic=False, params_dtype=torch.bfloat16)
+    with pytest.raises(ValidationError, match="optimizer_param_remainders.*transformer_impl: transformer_engine"):
+        MegatronTrainerConfig(optimizer_param_remainders=True)
+    with pytest.raises(ValidationError, match="param_dtype: bfloat16.*use_distributed_optimizer"):
+        MegatronTrainerConfig(transformer_impl="transformer_engine", optimizer_param_remainders=True,
+                              param_dtype="float32", use_distributed_optimizer=False)
+    try:  # megatron-core and TE both installed: Megatron's own checks accept it
+        from megatron.core.optimizer import OptimizerConfig
+        from transformer_engine.pytorch.optimizers import FusedAdam  # noqa: F401
+    except ImportError:
+        return
+    assert OptimizerConfig(**kw).use_precision_aware_optimizer_no_fp8_or_ds_fp8

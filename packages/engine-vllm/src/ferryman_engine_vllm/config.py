@@ -100,14 +100,14 @@ class VLLMEngineConfig(PluginConfig):
     step on the core thread and one hand-over on the event loop (``bench/engine.py`` row
     ``vllm-stream``). The ``process`` core always streams."""
     async_scheduling: bool | None = None
-    """vLLM's async scheduling: the next batch is scheduled while the GPU runs the current one
-    (vLLM's own default; 1.22x the tokens/s of ``vllm-raw`` without it on the H200,
-    ``bench/results/engine.md``). ``None``: off with ``core: thread``, vLLM's default with
-    ``core: process``. With ``core: thread`` and ``true``, every weight load, sleep, wake-up,
-    prefix-cache reset and ``keep`` freeze first finishes the batch still on the GPU (scheduling
-    paused meanwhile) and hands out its tokens, so none of them meets a running batch and the
-    tokens keep the version of the weights that made them. CPU-tested over a stand-in for
-    vLLM's batch queue; not yet run on a GPU."""
+    """vLLM's async scheduling: the next batch is scheduled while the GPU runs the current one.
+    ``None`` (default): vLLM's own default, on where vLLM supports it, with either core. On the
+    H200 the thread core makes 1.44x the tokens/s with it than without (``bench/engine.py`` rows
+    ``vllm`` and ``vllm:on``, ``bench/results/engine.md``). With the thread core, every weight
+    load, sleep, wake-up, prefix-cache reset and ``keep`` freeze first finishes the batch still
+    on the GPU (scheduling paused meanwhile) and hands out its tokens, so none of them meets a
+    running batch and the tokens keep the version of the weights that made them (the GPU tests
+    pass with it). ``false``: every ``step()`` returns after its batch ran."""
     step_delay_s: float = Field(0.0, ge=0.0)
     """Artificial delay after every engine step (``core: thread`` only; for tests of async
     behaviour)."""

@@ -201,11 +201,10 @@ class ThreadCore:
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.executor import Executor
 
-        kwargs = dict(self._engine_args)
-        # each step() returns only after its batch ran: an abort, a sleep or a weight load that
-        # runs between two steps on this thread never meets a batch still on the GPU
-        kwargs.setdefault("async_scheduling", False)
-        args = EngineArgs(**kwargs)
+        # async_scheduling as configured, or vLLM's default (on where vLLM supports it): with it a
+        # batch may still be on the GPU when step() returns, and every weight load, sleep,
+        # wake-up, cache reset and keep freeze drains it first (_drain_on_thread)
+        args = EngineArgs(**dict(self._engine_args))
         vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
         return LLMEngine(
             vllm_config=vllm_config,

@@ -182,7 +182,7 @@ def transformer_config_kwargs(shape: ModelShape, trainer: Any) -> dict[str, Any]
         # the local spec has no fused kernels to use; TE brings its own
         bias_activation_fusion=False,
         masked_softmax_fusion=te,
-        apply_rope_fusion=te,
+        apply_rope_fusion=te and bool(trainer.rope_fusion),
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         tensor_model_parallel_size=tp,
@@ -265,4 +265,8 @@ def optimizer_config_kwargs(trainer: Any, *, critic: bool, params_dtype: Any) ->
         kw.update(optimizer_cpu_offload=True, optimizer_offload_fraction=trainer.optimizer_offload_fraction,
                   use_precision_aware_optimizer=True, decoupled_weight_decay=True,
                   overlap_cpu_optimizer_d2h_h2d=True)
+    elif trainer.param_remainders:
+        # TE's FusedAdam keeps the main weights (master_weights, float32) as 16-bit remainders
+        # beside the bf16 parameters; moments stay float32
+        kw.update(use_precision_aware_optimizer=True, store_param_remainders=True, decoupled_weight_decay=True)
     return kw
