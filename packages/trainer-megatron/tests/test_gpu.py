@@ -55,6 +55,57 @@ class TestMegatronContractTransformerEngine(TestMegatronContract):
     impl = "transformer_engine"
 
 
+def test_te_param_remainders_survive_checkpoints_and_offload(tmp_path, monkeypatch):
+    """``optimizer_param_remainders`` (TE's FusedAdam keeps the low 16 bits of each float32 main
+    weight beside its bf16 weight) in bf16: the next step after a checkpoint restore, after a
+    checkpoint directory round trip into a new backend, and after ``offload()``/``onload()``
+    gives bit for bit the weights of the uninterrupted step. A restore that kept only the bf16
+    weights (the remainders lost) rounds some of the next step's updates differently."""
+    _need("transformer_engine")
+    # cuDNN's fused-attention backward may otherwise pick non-deterministic algorithms
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    from ferryman.testing.trainer_contract import collect_weights
+    from ferryman_trainer_megatron.config import MegatronTrainerConfig
+    from ferryman_trainer_megatron.factory import make_megatron_trainer
+
+    model_dir = str(build_tiny_model(tmp_path / "m", vocab_size=VOCAB))
+    cfg = MegatronTrainerConfig(lr=1e-3, micro_batch_max_tokens=4096, param_dtype="bfloat16", transformer_impl="transformer_engine")
+    assert cfg.param_remainders
+
+    def make():
+        return make_megatron_trainer(cfg, model_path=model_dir, algorithm=AlgorithmConfig(kl_coef=0.0), seed=0)
+
+    a = make()
+    try:
+        assert a.actor.optim.config.use_precision_aware_optimizer and a.actor.optim.config.store_param_remainders
+        batches = [fill_train_batch(a, random_train_batch(VOCAB, seed=s)) for s in range(3)]
+        for b in batches[:2]:
+            a.update_actor(b)
+        state = a.state_dict_for_checkpoint()
+        a.save_checkpoint(str(tmp_path / "ck"))
+        a.update_actor(batches[2])
+        want = collect_weights(a)
+        a.load_checkpoint_state(state)
+        a.update_actor(batches[2])
+        assert all(torch.equal(want[k], v) for k, v in collect_weights(a).items()), "in-memory restore"
+        a.load_checkpoint_state(state)
+        a.offload()
+        a.onload()
+        a.update_actor(batches[2])
+        assert all(torch.equal(want[k], v) for k, v in collect_weights(a).items()), "offload/onload"
+    finally:
+        a.close()
+    b = make()
+    try:
+        b.load_checkpoint(str(tmp_path / "ck"))
+        b.update_actor(batches[2])
+        got = collect_weights(b)
+    finally:
+        b.close()
+    differ = [k for k in want if not torch.equal(want[k], got[k])]
+    assert not differ, f"checkpoint directory into a new backend: {differ[:4]}"
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_log_probs_and_ppo_step_match_fsdp_at_qwen2_5_1_5b_shape(tmp_path, impl):
     """The issue's parity check on one GPU: random Qwen2.5-1.5B-shaped weights, bf16 on both
