@@ -72,8 +72,14 @@ run_limited() {
   shift 4
   RUN_LIMITED_HIT=0  # set to 1 when CMD was still running at the limit
   # not a process-group leader here (no job control in a script), so setsid runs CMD in this
-  # very process: $! is CMD's pid and its session's id
-  setsid "$@" >> "$log" 2>&1 < /dev/null &
+  # very process: $! is CMD's pid and its session's id. A script's background job starts with
+  # SIGINT and SIGQUIT ignored (POSIX), and Python keeps an ignored SIGINT: the driver never saw
+  # the SIGINT sent at the limit and was SIGKILLed 30 s later (the 2026-12-03 runs). So CMD is
+  # exec'ed with both back to their defaults (the pid stays the same).
+  setsid python3 -c 'import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+os.execvp(sys.argv[1], sys.argv[1:])' "$@" >> "$log" 2>&1 < /dev/null &
   pid=$!
   t0=$SECONDS
   while kill -0 "$pid" 2>/dev/null && (( SECONDS - t0 < limit )); do sleep 1; done
