@@ -87,7 +87,7 @@ class MegatronTrainerConfig(PluginConfig):
     """Transformer Engine's fused RoPE kernel (``apply_rope_fusion``; ``transformer_engine``
     only). Off by default: at the Qwen2.5-1.5B shape in bf16 on the H200 it moved log-probs
     1.54e-2 (mean) from the Hugging Face model's, against 5.5e-3 with Megatron's RoPE in torch
-    (``bench/results/gpu_megatron_te.md``), and the rollout engines' RoPE rounds like the latter."""
+    (``bench/results/gpu_megatron_te.md``)."""
     local_attention: Literal["sdpa", "dot_product"] = "sdpa"
     """Core attention of the ``local`` spec: ``sdpa`` (PyTorch's fused scaled-dot-product
     attention, causal, no ``[seq, seq]`` tensors; flash kernels on GPUs) or ``dot_product``
