@@ -178,29 +178,35 @@ class MegatronTrainerConfig(PluginConfig):
         return self
 
     @model_validator(mode="after")
-    def _param_remainders_need_te_bf16_and_distributed_optimizer(self) -> MegatronTrainerConfig:
+    def _rope_fusion_needs_te(self) -> MegatronTrainerConfig:
         if self.rope_fusion and self.transformer_impl != "transformer_engine":
             raise ValueError("trainer.rope_fusion needs trainer.transformer_impl: transformer_engine "
                              "(the local spec has no fused RoPE)")
-        if self.optimizer_param_remainders:
-            missing = [what for what, ok in [
-                ("transformer_impl: transformer_engine", self.transformer_impl == "transformer_engine"),
-                ("param_dtype: bfloat16", self.param_dtype == "bfloat16"),
-                ("use_distributed_optimizer: true", self.use_distributed_optimizer),
-                ("optimizer_offload_fraction: 0", self.optimizer_offload_fraction == 0),
-            ] if not ok]
-            if missing:
-                raise ValueError("trainer.optimizer_param_remainders: true needs " + ", ".join(f"trainer.{m}" for m in missing)
-                                 + " (Transformer Engine's FusedAdam keeps the remainders of bf16 weights)")
+        return self
+
+    def _remainders_lack(self) -> list[str]:
+        """The settings that main-weight remainders need and this config does not have."""
+        return [what for what, ok in [
+            ("transformer_impl: transformer_engine", self.transformer_impl == "transformer_engine"),
+            ("param_dtype: bfloat16", self.param_dtype == "bfloat16"),
+            ("use_distributed_optimizer: true", self.use_distributed_optimizer),
+            ("optimizer_offload_fraction: 0", self.optimizer_offload_fraction == 0),
+        ] if not ok]
+
+    @model_validator(mode="after")
+    def _param_remainders_need_te_bf16_and_distributed_optimizer(self) -> MegatronTrainerConfig:
+        missing = self._remainders_lack() if self.optimizer_param_remainders else []
+        if missing:
+            raise ValueError("trainer.optimizer_param_remainders: true needs " + ", ".join(f"trainer.{m}" for m in missing)
+                             + " (Transformer Engine's FusedAdam keeps the remainders of bf16 weights)")
         return self
 
     @property
     def param_remainders(self) -> bool:
-        """Whether :attr:`optimizer_param_remainders` is in effect (``None`` resolved)."""
+        """Whether :attr:`optimizer_param_remainders` is in effect (``None``: wherever it can be)."""
         if self.optimizer_param_remainders is not None:
             return self.optimizer_param_remainders
-        return (self.transformer_impl == "transformer_engine" and self.param_dtype == "bfloat16"
-                and self.use_distributed_optimizer and self.optimizer_offload_fraction == 0)
+        return not self._remainders_lack()
 
     @model_validator(mode="after")
     def _recompute_layers_need_full(self) -> MegatronTrainerConfig:
