@@ -3,7 +3,9 @@ ranks, with Megatron's CUDA-only calls patched in this process (megatron_cpu_pat
 log-probs equal HF's; the exported weights (experts gathered from their expert-parallel ranks)
 are HF's; with ``router_replay`` the trainer's forward takes the experts given in
 ``batch.meta["routed_experts"]``: HF's own choice gives HF's log-probs, another choice moves
-them; an update changes the weights. Prints ``RESULT ok`` on success."""
+them; an update changes the weights. ``CHECK_CP=2``: the same with the sequence split over the
+ranks by context parallelism as well (each rank's routers then see its own positions, and the
+replayed experts are split the same way). Prints ``RESULT ok`` on success."""
 
 import os
 import shutil
@@ -52,7 +54,8 @@ def main() -> None:
         hf.save_pretrained(path)
     dist.barrier()
     alg = AlgorithmConfig(kl_coef=0.0)
-    cfg = MegatronTrainerConfig(param_dtype="float32", expert_parallel_size=world, make_vocab_size_divisible_by=64, lr=1e-3,
+    cp = int(os.environ.get("CHECK_CP", "1"))
+    cfg = MegatronTrainerConfig(param_dtype="float32", expert_parallel_size=world, context_parallel_size=cp, make_vocab_size_divisible_by=64, lr=1e-3,
                                 micro_batch_max_tokens=24, use_distributed_optimizer=False, router_replay=True)
     backend = MegatronTrainerBackend(cfg, model_path=path, algorithm=alg, seed=0,
                                      runtime=MegatronRuntime(cfg, model_path=path, seed=0, _device="cpu"))

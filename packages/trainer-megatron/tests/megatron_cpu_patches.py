@@ -13,7 +13,9 @@ its CUDA-only calls *in the calling process* (a test runs it in its own subproce
   (a tied embedding's last-stage copy under pipeline parallelism);
 - the MoE all-to-all dispatcher's host copy of its split sizes gives numpy arrays on the CPU
   too (as it does from CUDA);
-- the model-parallel RNG tracker's ``fork`` is a no-op (dropout is 0).
+- the model-parallel RNG tracker's ``fork`` is a no-op (dropout is 0);
+- context parallelism's slice of the rotary embedding (``get_pos_emb_on_this_cp_rank``) builds
+  its chunk index in pinned memory for a CUDA copy: the same slice with a CPU index.
 
 The distributed optimizer is not covered: it refuses CPU parameters outright. Also here, for the
 scripts on several ranks: ``shared_tempdir``."""
@@ -122,6 +124,16 @@ def _to_host(tensor, as_numpy=False, record_stream=False):
     return tensor
 
 
+def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """Megatron's ``get_pos_emb_on_this_cp_rank`` with its index on the CPU: chunks ``r`` and
+    ``2·cp − 1 − r`` of ``2·cp`` along ``seq_dim``."""
+    cp, r = cp_group.size(), cp_group.rank()
+    idx = torch.tensor([r, 2 * cp - r - 1])
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1 :])
+    pos_emb = pos_emb.index_select(seq_dim, idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
+
+
 def apply() -> None:
     global _APPLIED
     if _APPLIED:
@@ -152,6 +164,9 @@ def apply() -> None:
     for name in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving"):
         setattr(sched, name, _inside_cpu_tensors(getattr(sched, name), ("zeros",)))
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
+
+    rotary.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
     import megatron.core.transformer.moe.token_dispatcher as dispatcher
 
     dispatcher.maybe_move_tensor_to_cpu = _to_host

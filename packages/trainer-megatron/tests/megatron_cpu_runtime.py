@@ -2,8 +2,11 @@
 Megatron's CUDA-only calls patched in this process only (megatron_cpu_patches.py). Runs the
 TrainerContract-like steps that matter: log-probs equal HF's, an update changes the weights and
 returns finite metrics, exported weights equal an HF state dict layout, a dist_checkpointing
-save/load round trip restores the weights and the optimizer (the next step is the same).
-``CHECK_TP`` / ``CHECK_PP`` (default 1) set tensor and pipeline parallelism; the other ranks
+save/load round trip restores the weights and the optimizer (the next step is the same), and a
+critic on the same layout gives its value head over HF's hidden states and trains.
+``CHECK_TP`` / ``CHECK_PP`` / ``CHECK_CP`` (default 1) set tensor, pipeline and context
+parallelism (context parallel: the local spec's SDPA attention over all-gathered keys and
+values, Megatron's rotary embedding on the load-balanced split); the other ranks
 are data parallel (plain DDP: the distributed optimizer refuses CPU parameters). With
 ``CHECK_HANDOFF=DIR`` the run also leaves a checkpoint and the step it took after it in DIR;
 with ``CHECK_RESUME_FROM=DIR`` a run (of another layout) loads that checkpoint at the end and
@@ -16,6 +19,37 @@ import shutil
 import sys
 
 import torch
+
+
+def check_critic(cfg, path, hf, batch) -> None:
+    """A critic on the same layout: its values are its value head over the final hidden states,
+    which at the checkpoint's weights are HF's (``values[t]`` is the head's output at ``t - 1``);
+    an update changes them. Every last-stage rank checks its own head (tensor-parallel ranks
+    must hold the same one)."""
+    import torch.nn.functional as F
+
+    from ferryman.config import AlgorithmConfig
+    from ferryman.testing.trainer_contract import fill_train_batch
+    from ferryman_trainer_megatron.megatron_runtime import MegatronRuntime
+    from ferryman_trainer_megatron.trainer import MegatronTrainerBackend
+
+    ccfg = cfg.model_copy(update={"use_critic": True})
+    critic = MegatronTrainerBackend(ccfg, model_path=path, algorithm=AlgorithmConfig(kl_coef=0.0), seed=0,
+                                    runtime=MegatronRuntime(ccfg, model_path=path, seed=0, _device="cpu"))
+    values = critic.compute_values(batch)
+    if critic.rt.last:
+        head = critic.critic.module.output_layer
+        with torch.no_grad():
+            hidden = hf.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              position_ids=batch.position_ids).last_hidden_state
+            v = F.linear(hidden, head.weight.float(), head.bias.float())[..., 0]
+        ref = F.pad(v[:, :-1], (1, 0)) * batch.attention_mask
+        d = (values.double() - ref.double()).abs().max().item()
+        assert d < 1e-4, ("critic values", d)
+    m = critic.update_critic(fill_train_batch(critic, batch))
+    assert all(math.isfinite(x) for x in m.values()) and "critic/vf_loss" in m, m
+    assert not torch.equal(values, critic.compute_values(batch)), "update_critic changed nothing"
+    critic.close()
 
 
 def main() -> None:
@@ -38,6 +72,7 @@ def main() -> None:
     rank = dist.get_rank()
     tp = int(os.environ.get("CHECK_TP", "1"))
     pp = int(os.environ.get("CHECK_PP", "1"))
+    cp = int(os.environ.get("CHECK_CP", "1"))
     handoff = os.environ.get("CHECK_HANDOFF")  # write: a checkpoint and the step taken after it
     resume_from = os.environ.get("CHECK_RESUME_FROM")  # read: one written by a run of another layout
     root = megatron_cpu_patches.shared_tempdir("ferryman-mrt-")
@@ -45,7 +80,8 @@ def main() -> None:
         build_tiny_model(os.path.join(root, "tiny"), vocab_size=160)
     dist.barrier()
     path = os.path.join(root, "tiny")
-    cfg = MegatronTrainerConfig(param_dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, make_vocab_size_divisible_by=64, lr=1e-3,
+    cfg = MegatronTrainerConfig(param_dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                context_parallel_size=cp, make_vocab_size_divisible_by=64, lr=1e-3,
                                 micro_batch_max_tokens=24, use_distributed_optimizer=False)
     alg = AlgorithmConfig(kl_coef=0.05)
     backend = MegatronTrainerBackend(cfg, model_path=path, algorithm=alg, seed=0,
@@ -79,7 +115,7 @@ def main() -> None:
     w3 = collect_weights(backend)
     if handoff and rank == 0:
         shutil.copytree(ckpt2, os.path.join(handoff, "ckpt2"))
-        layout = f"tp{tp}-pp{pp}-dp{dist.get_world_size() // (tp * pp)}"
+        layout = f"tp{tp}-pp{pp}-cp{cp}-dp{dist.get_world_size() // (tp * pp * cp)}"
         torch.save({"full": full, "w2": w2, "w3": w3, "m3": m3, "layout": layout}, os.path.join(handoff, "state.pt"))
     backend.load_checkpoint(ckpt2)
     assert all(torch.equal(collect_weights(backend)[k], w2[k]) for k in w2), "load did not restore"
@@ -108,6 +144,7 @@ def main() -> None:
         if rank == 0:
             print("RESULT resumed", saved["layout"], m4["actor/pg_loss"], m4["actor/grad_norm"], flush=True)
     backend.close()
+    check_critic(cfg, path, hf, batch)
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
         print("RESULT ok", m["actor/pg_loss"], m["actor/grad_norm"], flush=True)

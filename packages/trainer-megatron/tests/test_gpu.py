@@ -1,8 +1,14 @@
 """GPU tests (an NVIDIA GPU and megatron-core; never in CI): the TrainerContract on the real
 Megatron runtime, and log-probs equal to the fsdp backend's at the same weights; both with the
-local layer spec and, where Transformer Engine imports (the ``megatron-te`` extra), with TE's."""
+local layer spec and, where Transformer Engine imports (the ``megatron-te`` extra), with TE's.
+With two GPUs: context parallelism against data parallelism (megatron_cp_check.py)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -252,3 +258,21 @@ def test_exported_weights_loaded_into_vllm_give_the_trainers_greedy_tokens(tmp_p
               f"{max(abs(a - b) for a, b in zip(out.log_probs, t_lp)):.2e}")
         assert out.token_ids == e and out.versions == [1] * len(e)
         assert max(abs(a - b) for a, b in zip(out.log_probs, t_lp)) <= ref_atol
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_context_parallel_on_two_gpus_equals_data_parallel(impl):
+    """``context_parallel_size: 2`` on two GPUs (the local spec's all-gather attention, or
+    Transformer Engine's ring): log-probs equal HF's and one PPO step equals the data-parallel
+    step on the same two GPUs (megatron_cp_check.py; its CPU run is in test_megatron_cpu.py)."""
+    _need(impl)
+    if torch.cuda.device_count() < 2:
+        pytest.skip("context parallelism needs two GPUs")
+    here = Path(__file__).parent
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(here / "megatron_cp_check.py")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "CP_IMPL": impl},
+    )
+    print("\n".join(x for x in proc.stdout.splitlines() if x.startswith("RESULT")))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"RESULT {impl} " in proc.stdout

@@ -6,10 +6,16 @@ megatron_cpu_patches.py patches Megatron's CUDA-only calls process-wide:
   vocab-parallel log-probs equal HF's for every family (megatron_cpu_check.py);
 - the generic TrainerContract (with a critic and GAE) on the real ``MegatronRuntime``, one rank
   (megatron_cpu_contract.py);
-- the runtime on two ranks at tensor parallel 2, pipeline parallel 2 and data parallel 2:
+- the runtime on two ranks at tensor parallel 2, pipeline parallel 2, context parallel 2 and
+  data parallel 2:
   log-probs equal HF's, the exported weights are HF's, an update changes them, a
   ``dist_checkpointing`` round trip restores weights and optimizer, and a checkpoint of the
-  previous layout loads and takes the same next step (megatron_cpu_runtime.py).
+  previous layout loads and takes the same next step; a critic on each layout gives its value
+  head over HF's hidden states (megatron_cpu_runtime.py);
+- context parallel 2 against data parallel 2 on longer rows: log-probs equal HF's, the same
+  PPO step (megatron_cp_check.py);
+- Qwen3-MoE at expert parallel 2 with router replay, also with context parallel 2
+  (megatron_cpu_moe.py).
 
 Tolerance: both models compute in float32 with a different order of operations (fused QKV,
 Megatron's RMSNorm and rotary code); over 2 layers of width 32 with logits of magnitude ~5 the
@@ -67,9 +73,9 @@ def test_trainer_contract_on_the_real_runtime(tmp_path):
 
 @pytest.mark.slow
 def test_runtime_on_two_ranks_tp_pp_dp_and_resume_on_another_layout(tmp_path):
-    # TP 2, then PP 2, then DP 2 on two ranks; each also loads the previous layout's checkpoint
-    # and must take the same next step (dist_checkpointing reshards between layouts)
-    layouts = [{"CHECK_TP": "2"}, {"CHECK_PP": "2"}, {}]
+    # TP 2, then PP 2, then CP 2, then DP 2 on two ranks; each also loads the previous layout's
+    # checkpoint and must take the same next step (dist_checkpointing reshards between layouts)
+    layouts = [{"CHECK_TP": "2"}, {"CHECK_PP": "2"}, {"CHECK_CP": "2"}, {}]
     for i, layout in enumerate(layouts):
         env = {**layout, "CHECK_HANDOFF": str(tmp_path / f"h{i}")}
         (tmp_path / f"h{i}").mkdir()
@@ -79,13 +85,24 @@ def test_runtime_on_two_ranks_tp_pp_dp_and_resume_on_another_layout(tmp_path):
         assert proc.returncode == 0, (layout, proc.stdout[-3000:] + proc.stderr[-3000:])
         assert "RESULT ok" in proc.stdout, proc.stdout[-2000:]
         if i:
-            prev = ["tp2-pp1-dp1", "tp1-pp2-dp1"][i - 1]
+            prev = ["tp2-pp1-cp1-dp1", "tp1-pp2-cp1-dp1", "tp1-pp1-cp2-dp1"][i - 1]
             assert f"RESULT resumed {prev}" in proc.stdout, proc.stdout[-2000:]
 
 
 @pytest.mark.slow
-def test_moe_expert_parallel_with_router_replay():
-    proc = _torchrun("megatron_cpu_moe.py", 2)
+def test_context_parallel_step_equals_the_data_parallel_step():
+    # CP 2 then DP 2 on the same two ranks, rows of up to ~170 tokens (the GPU test runs the
+    # same script on two GPUs, with Transformer Engine's attention as well)
+    proc = _torchrun("megatron_cp_check.py", 2, CP_DEVICE="cpu")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "RESULT local " in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", ["1", "2"])
+def test_moe_expert_parallel_with_router_replay(cp):
+    # cp 2: the sequence split over the same two ranks too (routers see their own positions)
+    proc = _torchrun("megatron_cpu_moe.py", 2, CHECK_CP=cp)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ok")), None)
     assert line is not None, proc.stdout[-2000:]

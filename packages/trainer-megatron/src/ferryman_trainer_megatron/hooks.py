@@ -18,6 +18,6 @@ def ferryman_register_trainers() -> list[TrainerSpec]:
             "megatron",
             make_megatron_trainer,
             MegatronTrainerConfig,
-            "Megatron-core GPTModel actor, optional critic and frozen reference (TP/PP/EP/DP); PPO/GRPO/DAPO losses",
+            "Megatron-core GPTModel actor, optional critic and frozen reference (TP/PP/CP/EP/DP); PPO/GRPO/DAPO losses",
         )
     ]

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ferryman.batch import TrainBatch
 from ferryman.cluster.connect import free_port
 from ferryman_trainer_megatron.config import MegatronTrainerConfig
+from ferryman_trainer_megatron.context_parallel import ContextSplit, padded_length
 from ferryman_trainer_megatron.convert import hf_shapes, hf_to_megatron, layout, megatron_to_hf, to_global_name, tp_merge, tp_split
 from ferryman_trainer_megatron.mapping import (
     gpt_model_kwargs,
@@ -198,9 +199,13 @@ class MegatronRuntime:
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         self.dp_group = ps.get_data_parallel_group()
+        self.cp = ps.get_context_parallel_world_size()
+        self.cp_rank = ps.get_context_parallel_rank()
+        self.cp_group = ps.get_context_parallel_group() if self.cp > 1 else None
         self.first = ps.is_pipeline_first_stage()
         self.last = ps.is_pipeline_last_stage()
-        self.reporter = self.last and self.tp_rank == 0
+        # the ranks of one context-parallel group compute the same gathered outputs: one reports
+        self.reporter = self.last and self.tp_rank == 0 and self.cp_rank == 0
         self.ep_rank = ps.get_expert_model_parallel_rank() if self.shape.is_moe else 0
         self.etp = ps.get_expert_tensor_parallel_world_size() if self.shape.is_moe else 1
         self.etp_rank = ps.get_expert_tensor_parallel_rank() if self.shape.is_moe else 0
@@ -312,7 +317,7 @@ class MegatronRuntime:
         return _Handle(role, ddp, module, optim, tconf)
 
     # ------------------------------------------------------------------ forward / backward
-    def _replay(self, handle: _Handle, sub: TrainBatch) -> None:
+    def _replay(self, handle: _Handle, sub: TrainBatch, split: ContextSplit) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
         routed = sub.meta.get("routed_experts")
@@ -321,9 +326,20 @@ class MegatronRuntime:
         routed = torch.as_tensor(routed)
         lo, _ = self._offsets(handle.module)
         n_local = len(handle.module.decoder.layers)
-        # Megatron's tokens are [s, b] flattened: token index = s * B + b
-        per_layer = [routed[:, : sub.seq_len, lo + i].transpose(0, 1).reshape(-1, routed.shape[-1]).to(self.device)
-                     for i in range(n_local)]
+        per_layer = []
+        top_k = routed.shape[-1]
+        for i in range(n_local):
+            # the tokens this rank's routers see: the padded row, this rank's context-parallel
+            # positions, then (sequence parallel) its tensor-parallel slice of those. Positions
+            # past the row take experts 0..k-1 (k distinct experts per token, as the dispatcher
+            # counts them; the padding mask keeps them out of the loss)
+            layer = torch.arange(top_k, dtype=routed.dtype).expand(routed.shape[0], split.length, top_k).clone()
+            layer[:, : sub.seq_len] = routed[:, : sub.seq_len, lo + i]
+            layer = split.split(layer, 1)
+            if self.config.sequence_parallel:
+                layer = layer.chunk(self.tp, dim=1)[self.tp_rank]
+            # Megatron's tokens are [s, b] flattened: token index = s * B + b
+            per_layer.append(layer.transpose(0, 1).reshape(-1, top_k).to(self.device))
         RouterReplay.set_replay_data(per_layer)
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
@@ -335,21 +351,31 @@ class MegatronRuntime:
         start, _ = vocab_range(self.padded_vocab, self.tp, self.tp_rank)
         critic = handle.role == "critic"
         multiple = self.tp if self.config.sequence_parallel else 1
+        tp_group = self.tp_group if self.tp > 1 else None
 
-        def loss_func(sub: TrainBatch, output: torch.Tensor):
-            given: Any = output[:, : sub.seq_len] if critic else LogitsShard(output[:, : sub.seq_len], start, self.shape.vocab_size, self.tp_group if self.tp > 1 else None)
+        def loss_func(sub: TrainBatch, split: ContextSplit, output: torch.Tensor):
+            given: Any
+            if critic:  # values of this rank's positions -> whole rows, the same on the group
+                given = split.gather(output)[:, : sub.seq_len]
+            elif split.size > 1:  # the head gathers its per-token outputs
+                given = LogitsShard(output, start, self.shape.vocab_size, tp_group, split)
+            else:
+                given = LogitsShard(output[:, : sub.seq_len], start, self.shape.vocab_size, tp_group)
             loss, rec = head(given, sub)
             records.append({k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in rec.items()})
             return loss, torch.ones((), dtype=torch.int, device=self.device), {}
 
         def forward_step(data_iterator, model):
             sub = next(data_iterator)
+            # right-padded so that context parallelism cuts 2 × cp chunks and sequence
+            # parallelism splits each rank's share over the TP ranks
+            split = ContextSplit(self.cp, self.cp_rank, self.cp_group, padded_length(sub.seq_len, self.cp, multiple))
             ids, pos = sub.input_ids, sub.position_ids
-            pad = (-ids.shape[1]) % multiple
-            if pad:  # sequence parallel splits the sequence over the TP ranks
+            pad = split.length - ids.shape[1]
+            if pad:
                 ids = torch.nn.functional.pad(ids, (0, pad))
                 pos = torch.nn.functional.pad(pos, (0, pad))
-            ids, pos = ids.to(self.device), pos.to(self.device)
+            ids, pos = split.split(ids.to(self.device)), split.split(pos.to(self.device))
             t = ids.shape[1]
             # right padding + causal mask: real tokens never see padding (TE and SDPA are causal
             # by themselves; Megatron's DotProductAttention reads a [1, 1, t, t] mask)
@@ -357,13 +383,13 @@ class MegatronRuntime:
             kwargs: dict[str, Any] = {}
             if self.shape.is_moe:
                 pm = sub.attention_mask == 0
-                kwargs["padding_mask"] = torch.nn.functional.pad(pm, (0, pad), value=True).to(self.device)
+                kwargs["padding_mask"] = split.split(torch.nn.functional.pad(pm, (0, pad), value=True).to(self.device))
                 if self.config.router_replay:
-                    self._replay(handle, sub)
+                    self._replay(handle, sub, split)
             if critic and self.last:
                 kwargs["output_processor"] = lambda hidden_states, output_layer, **_: output_layer(hidden_states)
             out = model(ids, pos, mask, **kwargs)
-            return out, lambda output: loss_func(sub, output)
+            return out, lambda output: loss_func(sub, split, output)
 
         fb = get_forward_backward_func()
         if not forward_only:

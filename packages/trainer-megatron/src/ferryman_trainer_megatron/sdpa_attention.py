@@ -10,7 +10,11 @@ and ``[seq, batch, heads * dim]`` out) that calls SDPA with ``is_causal=True``, 
 mask tensor at all. The trainer's rows are right-padded and causal, so real tokens never attend
 to padding and the result equals the masked softmax.
 
-What it does not do (it raises at construction, naming the setting): context parallelism,
+With context parallelism (``context_parallel_size > 1``) each rank holds two chunks of every
+row (Megatron's load-balanced split); it then all-gathers keys and values over the
+context-parallel group and attends with its own queries (:func:`~ferryman_trainer_megatron.context_parallel.context_parallel_attention`).
+
+What it does not do (it raises at construction, naming the setting):
 sliding-window attention, softmax offsets (``softmax_type`` other than ``vanilla``), query-key
 layer scaling, packed sequences and attention bias (at call time).
 """
@@ -24,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from ferryman_trainer_megatron.context_parallel import ContextSplit, context_parallel_attention
 
 
 class SDPACoreAttention(MegatronModule):
@@ -41,8 +47,6 @@ class SDPACoreAttention(MegatronModule):
         pg_collection: Any = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("trainer.context_parallel_size > 1 needs transformer_impl: transformer_engine")
         if getattr(config, "window_size", None) is not None:
             raise ValueError("sliding-window attention is not supported by the sdpa core attention")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
@@ -57,6 +61,14 @@ class SDPACoreAttention(MegatronModule):
             from megatron.core import parallel_state
 
             tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
+                self.cp_group = pg_collection.cp
+            else:
+                from megatron.core import parallel_state
+
+                self.cp_group = parallel_state.get_context_parallel_group()
         if config.num_attention_heads % tp or config.num_query_groups % tp:
             raise ValueError(f"attention heads {config.num_attention_heads} / query groups "
                              f"{config.num_query_groups} do not divide over tensor parallel {tp}")
@@ -84,12 +96,18 @@ class SDPACoreAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("attention bias is not supported by the sdpa core attention")
         sq, b = query.shape[0], query.shape[1]
-        # [s, b, n, d] -> [b, n, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.groups != self.heads,
-        )
+        dropout = self.dropout if self.training else 0.0
+        if self.cp_group is not None:
+            import torch.distributed as dist
+
+            cp = dist.get_world_size(self.cp_group)
+            split = ContextSplit(cp, dist.get_rank(self.cp_group), self.cp_group, sq * cp)
+            out = context_parallel_attention(query, key, value, split, scale=self.scale, dropout_p=dropout,
+                                             enable_gqa=self.groups != self.heads)
+        else:
+            # [s, b, n, d] -> [b, n, s, d]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout,
+                                                 enable_gqa=self.groups != self.heads)
         # [b, n, s, d] -> [s, b, n * d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)

@@ -40,6 +40,7 @@ from ferryman.batch import TrainBatch, split_groups
 from ferryman.config import AlgorithmConfig
 from ferryman.protocols import NamedTensors
 from ferryman_trainer_megatron.config import MegatronTrainerConfig
+from ferryman_trainer_megatron.context_parallel import ContextSplit
 from ferryman_trainer_megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,9 @@ class LogitsShard:
     """The true (unpadded) vocabulary."""
     group: Any = None
     """The tensor-parallel process group (``None``: one rank holds the whole vocabulary)."""
+    context: ContextSplit | None = None
+    """With context parallelism: ``logits`` hold this rank's positions of the padded rows
+    (``[b, 2c, V_pad / tp]``, the load-balanced split); ``None``: positions ``0..t-1`` in order."""
 
 
 Head = Callable[[Any, TrainBatch], tuple[torch.Tensor, dict[str, Any]]]
@@ -142,11 +146,23 @@ def token_log_probs(out: LogitsShard, sub: TrainBatch, chunk_tokens: int) -> tup
     logits = out.logits
     ids = sub.input_ids.to(logits.device)
     temperature = float(sub.meta.get("temperature", 1.0) or 1.0)
-    lp, ent = vocab_parallel_log_probs_and_entropy(
-        logits[:, : sub.seq_len - 1], ids[:, 1:],
-        vocab_start=out.vocab_start, vocab_size=out.vocab_size, group=out.group,
-        chunk_tokens=chunk_tokens, temperature=temperature,
-    )
+    split = out.context
+    if split is not None and split.size > 1:
+        # position p scores the next token: labels of the padded row, split like the logits;
+        # the gathered rows are the same on every rank of the context-parallel group
+        labels = split.split(F.pad(ids[:, 1:], (0, split.length - sub.seq_len + 1)), dim=1)
+        lp, ent = vocab_parallel_log_probs_and_entropy(
+            logits, labels, vocab_start=out.vocab_start, vocab_size=out.vocab_size, group=out.group,
+            chunk_tokens=chunk_tokens, temperature=temperature,
+        )
+        both = split.gather(torch.stack((lp, ent), dim=-1))[:, : sub.seq_len - 1]  # one all-gather
+        lp, ent = both[..., 0], both[..., 1]
+    else:
+        lp, ent = vocab_parallel_log_probs_and_entropy(
+            logits[:, : sub.seq_len - 1], ids[:, 1:],
+            vocab_start=out.vocab_start, vocab_size=out.vocab_size, group=out.group,
+            chunk_tokens=chunk_tokens, temperature=temperature,
+        )
     keep = sub.attention_mask.to(lp.device, lp.dtype)
     return _shift_right(lp, sub.seq_len) * keep, _shift_right(ent, sub.seq_len) * keep
 
