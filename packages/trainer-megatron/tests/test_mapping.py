@@ -81,7 +81,8 @@ def test_misfits_are_named():
 
 
 def test_config_validates_without_megatron():
-    cfg = MegatronTrainerConfig(tensor_parallel_size=2, sequence_parallel=True, recompute="full", recompute_num_layers=4)
+    cfg = MegatronTrainerConfig(tensor_parallel_size=2, sequence_parallel=True, transformer_impl="transformer_engine",
+                                recompute="full", recompute_num_layers=4)
     assert cfg.model_parallel_size == 2
     assert MegatronTrainerConfig(num_workers=4, tensor_parallel_size=2).num_workers == 4  # 2 replicas of TP 2
     # context parallelism with the local spec's SDPA attention, or with Transformer Engine's
@@ -89,6 +90,7 @@ def test_config_validates_without_megatron():
     assert cp.model_parallel_size == 4
     assert MegatronTrainerConfig(context_parallel_size=2, transformer_impl="transformer_engine", local_attention="dot_product")
     for bad, field in [({"sequence_parallel": True}, "sequence_parallel"),
+                       ({"sequence_parallel": True, "tensor_parallel_size": 2}, "sequence_parallel"),  # local spec
                        ({"context_parallel_size": 2, "local_attention": "dot_product"}, "context_parallel_size"),
                        ({"num_workers": 6, "context_parallel_size": 4}, "num_workers"),
                        ({"recompute_num_layers": 2}, "recompute_num_layers"), ({"betas": (0.9, 1.0)}, "beta"),

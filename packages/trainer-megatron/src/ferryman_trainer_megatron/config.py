@@ -65,7 +65,8 @@ class MegatronTrainerConfig(PluginConfig):
     """Tensor parallelism inside each expert (1: every expert whole on its rank)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (activations split along the sequence between the tensor
-    parallel ranks outside attention/MLP); needs ``tensor_parallel_size > 1``."""
+    parallel ranks outside attention/MLP); needs ``tensor_parallel_size > 1`` and
+    ``transformer_impl: transformer_engine`` (the local spec's torch RMSNorm refuses it)."""
     use_distributed_optimizer: bool = True
     """Shard the optimizer states (and float32 main weights) over the data-parallel ranks."""
     optimizer_offload_fraction: float = Field(0.0, ge=0.0, le=1.0)
@@ -170,9 +171,13 @@ class MegatronTrainerConfig(PluginConfig):
         return self
 
     @model_validator(mode="after")
-    def _sequence_parallel_needs_tp(self) -> MegatronTrainerConfig:
+    def _sequence_parallel_needs_tp_and_te(self) -> MegatronTrainerConfig:
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ValueError("trainer.sequence_parallel needs trainer.tensor_parallel_size > 1")
+        if self.sequence_parallel and self.transformer_impl != "transformer_engine":
+            # the local spec's RMSNorm is Megatron's WrappedTorchNorm, which asserts at build time
+            raise ValueError("trainer.sequence_parallel needs trainer.transformer_impl: transformer_engine "
+                             "(the local spec's RMSNorm, torch's, has no sequence parallelism)")
         return self
 
     @model_validator(mode="after")
