@@ -14,6 +14,8 @@ the megatron / fsdp ratios.
     torchrun --nproc-per-node 1 bench/train_step.py --shape 7b --seq-len 8192 --trainer both
     # two GPUs (FSDP over both)
     torchrun --nproc-per-node 2 bench/train_step.py --shape 7b --seq-len 8192
+    # megatron on two GPUs, long rows: data parallel 2, then context parallel 2, same run
+    torchrun --nproc-per-node 2 bench/train_step.py --shape 1.5b --seq-len 32768 --trainer megatron --megatron-cp 1 2
     # CPU smoke run (gloo), tiny shape (fsdp only: Megatron needs CUDA)
     torchrun --nproc-per-node 2 bench/train_step.py --shape tiny --seq-len 256 --device cpu
 
@@ -125,6 +127,9 @@ def main() -> int:
                     help="megatron: share of the optimizer (main weights, Adam states) kept and stepped in host memory")
     ap.add_argument("--megatron-impl", choices=("local", "transformer_engine"), default="local",
                     help="megatron: trainer.transformer_impl (transformer_engine needs the megatron-te extra)")
+    ap.add_argument("--megatron-cp", type=int, nargs="+", default=[1],
+                    help="megatron: trainer.context_parallel_size; several values are measured one after the other in "
+                         "this run (the world must be a multiple of each; the rest is data parallel)")
     ap.add_argument("--model-dir", default=None, help="reuse a model saved by an earlier run")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--json", default=None, help="append the result as one JSON line to this file")
@@ -161,7 +166,7 @@ def main() -> int:
             torch.cuda.synchronize()
         dist.barrier()
 
-    def build(trainer: str):
+    def build(trainer: str, cp: int = 1):
         if trainer == "fsdp":
             cfg = FSDPTrainerConfig(
                 lr=1e-6,
@@ -178,9 +183,9 @@ def main() -> int:
             return FSDPTrainerBackend(cfg, model_path=str(model_dir), algorithm=AlgorithmConfig(), seed=0)
         from ferryman_trainer_megatron.factory import make_megatron_trainer
 
-        return make_megatron_trainer(megatron_config(), model_path=str(model_dir), algorithm=AlgorithmConfig(), seed=0)
+        return make_megatron_trainer(megatron_config(cp), model_path=str(model_dir), algorithm=AlgorithmConfig(), seed=0)
 
-    def megatron_config():
+    def megatron_config(cp: int = 1):
         from ferryman_trainer_megatron.config import MegatronTrainerConfig
 
         return MegatronTrainerConfig(
@@ -193,15 +198,22 @@ def main() -> int:
             use_distributed_optimizer=True,
             optimizer_offload_fraction=args.megatron_offload_fraction,
             transformer_impl=args.megatron_impl,
+            context_parallel_size=cp,
         )
 
-    def measure(trainer: str) -> dict:
+    def label(r: dict) -> str:
+        if r["trainer"] == "fsdp" or len(args.megatron_cp) == 1:
+            return r["trainer"]
+        return f"megatron cp{r['context_parallel']}"
+
+    def measure(trainer: str, cp: int = 1) -> dict:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        backend = build(trainer)
+        backend = build(trainer, cp)
         load_s = time.perf_counter() - t0
-        _log(rank, f"[{trainer}] loaded over {world} rank(s) in {load_s:.1f} s")
+        name = label({"trainer": trainer, "context_parallel": cp})
+        _log(rank, f"[{name}] loaded over {world} rank(s) in {load_s:.1f} s")
         times = []
         for step in range(args.steps + 1):
             batch = make_batch(rows, args.seq_len, vocab, prompt_len, seed=step)
@@ -210,7 +222,7 @@ def main() -> int:
             metrics = backend.update_actor(batch)
             sync()
             dt = time.perf_counter() - t
-            _log(rank, f"[{trainer}] step {step}{' (warm-up)' if step == 0 else ''}: {dt:.2f} s, "
+            _log(rank, f"[{name}] step {step}{' (warm-up)' if step == 0 else ''}: {dt:.2f} s, "
                        f"grad_norm {metrics.get('actor/grad_norm', float('nan')):.3f}")
             if step > 0:
                 times.append(dt)
@@ -235,8 +247,9 @@ def main() -> int:
                 "all" if args.checkpoint_layers is None else args.checkpoint_layers),
             "offload_optimizer": args.offload_optimizer if trainer == "fsdp" else args.megatron_offload_fraction,
             "transformer_impl": args.megatron_impl if trainer == "megatron" else None,
+            "context_parallel": cp if trainer == "megatron" else None,
             # float32 main weights kept as 16-bit remainders of the bf16 ones (TE's FusedAdam)
-            "optimizer_param_remainders": megatron_config().param_remainders if trainer == "megatron" else None,
+            "optimizer_param_remainders": megatron_config(cp).param_remainders if trainer == "megatron" else None,
             "step_s": round(mean, 4),
             "tokens_per_s": round(tok_s, 1),
             "tokens_per_s_per_gpu": round(tok_s / world, 1),
@@ -245,17 +258,19 @@ def main() -> int:
             "load_s": round(load_s, 1),
         }
 
-    trainers = ["fsdp", "megatron"] if args.trainer == "both" else [args.trainer]
-    results = [measure(t) for t in trainers]
+    runs = [("fsdp", 1)] if args.trainer in ("fsdp", "both") else []
+    if args.trainer in ("megatron", "both"):
+        runs += [("megatron", cp) for cp in args.megatron_cp]
+    results = [measure(t, cp) for t, cp in runs]
     for result in results:
         _log(rank, "RESULT " + json.dumps(result))
         if rank == 0 and args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(result) + "\n")
-    if len(results) == 2:
-        fs, mg = results
-        _log(rank, f"RATIO megatron/fsdp tokens/s {mg['tokens_per_s'] / fs['tokens_per_s']:.3f}, "
-                   f"peak memory {mg['peak_mem_gib_rank0'] / fs['peak_mem_gib_rank0']:.3f}")
+    base = results[0]  # every other row against the first
+    for r in results[1:]:
+        _log(rank, f"RATIO {label(r)}/{label(base)} tokens/s {r['tokens_per_s'] / base['tokens_per_s']:.3f}, "
+                   f"peak memory {r['peak_mem_gib_rank0'] / base['peak_mem_gib_rank0']:.3f}")
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
