@@ -91,12 +91,6 @@ class ContextSplit:
     def chunk(self) -> int:
         return self.length // (2 * self.size)
 
-    def positions(self, device: Any = None) -> torch.Tensor:
-        """This rank's global positions, in local order (``arange(L)`` when ``size == 1``)."""
-        if self.size == 1:
-            return torch.arange(self.length, device=device)
-        return zigzag_positions(self.length, self.size, self.rank).to(device)
-
     def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's positions of ``x`` (length ``L`` along ``dim``), in local order."""
         if x.shape[dim] != self.length:

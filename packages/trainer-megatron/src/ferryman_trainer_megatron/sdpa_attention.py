@@ -25,6 +25,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -98,8 +99,6 @@ class SDPACoreAttention(MegatronModule):
         sq, b = query.shape[0], query.shape[1]
         dropout = self.dropout if self.training else 0.0
         if self.cp_group is not None:
-            import torch.distributed as dist
-
             cp = dist.get_world_size(self.cp_group)
             split = ContextSplit(cp, dist.get_rank(self.cp_group), self.cp_group, sq * cp)
             out = context_parallel_attention(query, key, value, split, scale=self.scale, dropout_p=dropout,

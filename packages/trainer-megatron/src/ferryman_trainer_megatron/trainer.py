@@ -146,23 +146,20 @@ def token_log_probs(out: LogitsShard, sub: TrainBatch, chunk_tokens: int) -> tup
     logits = out.logits
     ids = sub.input_ids.to(logits.device)
     temperature = float(sub.meta.get("temperature", 1.0) or 1.0)
-    split = out.context
-    if split is not None and split.size > 1:
-        # position p scores the next token: labels of the padded row, split like the logits;
-        # the gathered rows are the same on every rank of the context-parallel group
+    split = out.context if out.context is not None and out.context.size > 1 else None
+    # position p scores the next token; with context parallelism: every position of this rank's
+    # share of the padded rows, with the padded row's labels split like the logits
+    if split is not None:
         labels = split.split(F.pad(ids[:, 1:], (0, split.length - sub.seq_len + 1)), dim=1)
-        lp, ent = vocab_parallel_log_probs_and_entropy(
-            logits, labels, vocab_start=out.vocab_start, vocab_size=out.vocab_size, group=out.group,
-            chunk_tokens=chunk_tokens, temperature=temperature,
-        )
-        both = split.gather(torch.stack((lp, ent), dim=-1))[:, : sub.seq_len - 1]  # one all-gather
-        lp, ent = both[..., 0], both[..., 1]
     else:
-        lp, ent = vocab_parallel_log_probs_and_entropy(
-            logits[:, : sub.seq_len - 1], ids[:, 1:],
-            vocab_start=out.vocab_start, vocab_size=out.vocab_size, group=out.group,
-            chunk_tokens=chunk_tokens, temperature=temperature,
-        )
+        logits, labels = logits[:, : sub.seq_len - 1], ids[:, 1:]
+    lp, ent = vocab_parallel_log_probs_and_entropy(
+        logits, labels, vocab_start=out.vocab_start, vocab_size=out.vocab_size, group=out.group,
+        chunk_tokens=chunk_tokens, temperature=temperature,
+    )
+    if split is not None:  # whole rows, the same on every rank of the group: one all-gather
+        both = split.gather(torch.stack((lp, ent), dim=-1))[:, : sub.seq_len - 1]
+        lp, ent = both[..., 0], both[..., 1]
     keep = sub.attention_mask.to(lp.device, lp.dtype)
     return _shift_right(lp, sub.seq_len) * keep, _shift_right(ent, sub.seq_len) * keep
 
