@@ -634,7 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--seed", type=int, default=1)
     run.add_argument("--num-prompts", type=int, default=1024)
     run.add_argument("--prompt-len", type=int, default=128)
-    run.add_argument("--max-tokens", type=int, default=384)
+    run.add_argument("--max-tokens", type=int, default=320)
     run.add_argument("--sessions", type=int, default=256)
     run.add_argument("--turns", type=int, default=8)
     run.add_argument("--max-tokens-turn", type=int, default=128)
