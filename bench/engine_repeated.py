@@ -574,13 +574,20 @@ def coordinate(args: argparse.Namespace) -> int:
 
     procs: dict[str, Proc] = {}
     try:
-        for v in variants:  # one at a time: vLLM sizes itself from the memory free at its start
-            procs[v] = Proc(v, kinds[v], args, logs / f"server_{args.workload}_{v}.log")
-            ans = procs[v].answer(args.start_timeout_s)
-            if not ans.get("ready"):
-                raise RuntimeError(f"{v} did not start: {ans.get('error')}")
-            doc["servers"][v] = {"kind": kinds[v], "start_s": ans["start_s"], "resolved": ans["resolved"]}
-            print(f"[{time.monotonic() - t_start:6.0f}s] {v} ({kinds[v]}) up in {ans['start_s']} s: {ans['resolved']}", flush=True)
+        # the first alone (it fills vLLM's compile cache), then the others together: each
+        # has its KV cache size given (--kv-cache-gib), so none sizes itself from what the
+        # others hold while they start
+        first = args.start_first if args.start_first in variants else variants[0]
+        waves = [[first], [v for v in variants if v != first]] if args.kv_cache_gib else [[v] for v in variants]
+        for wave in waves:
+            for v in wave:
+                procs[v] = Proc(v, kinds[v], args, logs / f"server_{args.workload}_{v}.log")
+            for v in wave:
+                ans = procs[v].answer(args.start_timeout_s)
+                if not ans.get("ready"):
+                    raise RuntimeError(f"{v} did not start: {ans.get('error')}")
+                doc["servers"][v] = {"kind": kinds[v], "start_s": ans["start_s"], "resolved": ans["resolved"]}
+                print(f"[{time.monotonic() - t_start:6.0f}s] {v} ({kinds[v]}) up in {ans['start_s']} s: {ans['resolved']}", flush=True)
         save()
         seq = 0
         plan = [(-1, v, True) for v in variants] + [(r, v, False) for r, v in interleaved_order(variants, args.reps)]
@@ -630,6 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = sub.add_parser("run", help="start the engines and time them, interleaved")
     run.add_argument("--workload", choices=WORKLOADS, required=True)
     run.add_argument("--variants", default="raw,thread,process")
+    run.add_argument("--start-first", default="thread", help="the engine started alone, before the others start together")
     run.add_argument("--reps", type=int, default=5)
     run.add_argument("--seed", type=int, default=1)
     run.add_argument("--num-prompts", type=int, default=1024)
