@@ -1,15 +1,16 @@
 """ferryman's vllm engine against raw vLLM, repeated and interleaved, on one GPU (issue 36, item 1).
 
-Three engines live side by side on the GPU, each in a server process of its own (vLLM's
-sleep-mode memory pool allows one engine per process) that stays up for every repetition:
-``raw`` (vLLM itself), ``thread`` and ``process`` (ferryman's ``VLLMEngine`` with that core).
+The engines live side by side on the GPU, each in a server process of its own (vLLM's
+sleep-mode memory pool allows one engine per process) that stays up for every repetition of
+every workload: ``raw`` (vLLM itself: ``LLM`` for the batch, ``AsyncLLM`` for the agentic
+workload), ``thread`` and ``process`` (ferryman's ``VLLMEngine`` with that core).
 All three get the same engine arguments (``VLLMEngineConfig.engine_args``; raw without
 ferryman's worker extension) and, with ``--kv-cache-gib``, the same KV cache. After one
 untimed warm-up per engine, the timed runs go in the order raw, thread, process, process,
 thread, raw, raw, ... (each repetition reversed from the one before), and each wrapper's
 ratio is its generated tokens/s over raw's in the same repetition.
 
-Workloads (one per command, ``--workload``):
+Workloads (``--workload``, by default both, the batch first):
 
 ``batch``
     ``--num-prompts`` random prompts of ``--prompt-len`` tokens, all at once, ``--max-tokens``
@@ -26,12 +27,12 @@ Workloads (one per command, ``--workload``):
 Prompts and sessions are drawn from the repetition's seed: the same for every engine within a
 repetition, new in each one (nothing in the prefix cache from an earlier repetition helps).
 
-    python bench/engine_repeated.py run --workload batch --out /tmp/batch.json
-    python bench/engine_repeated.py run --workload agentic --out /tmp/agentic.json
-    python bench/engine_repeated.py report /tmp/batch.json /tmp/agentic.json \
+    python bench/engine_repeated.py run --out-dir /tmp/rep       # both workloads, 5 repetitions
+    python bench/engine_repeated.py report /tmp/rep/engine_repeated_batch.json /tmp/rep/engine_repeated_agentic.json \
         --json bench/results/gpu_engine_repeated.json --md bench/results/gpu_engine_repeated.md
 
-``run`` writes its file after every timed run (a stopped command keeps what it measured).
+``run`` writes its files after every timed run (a stopped command keeps what it measured) and
+``DONE`` at the end.
 ``report`` needs no GPU. Needs a CUDA GPU and vLLM 0.24 for ``run``, with the ferryman
 packages importable (installed, or through the paths below).
 """
@@ -239,7 +240,7 @@ def render_md(report: dict[str, Any], files: Sequence[dict], command: str) -> st
         "",
         f"Device (nvidia-smi): **{report['device']}**.",
         "",
-        "Command (two commands of one lease, the engines started afresh in each):",
+        "Command (one coordinator for both workloads; the engines stay up from the first run to the last):",
         "",
         "```",
         command,
@@ -549,82 +550,107 @@ def build_model(workdir: str) -> None:
     build(Path(workdir) / "qwen2.5-1.5b-random")
 
 
+RAW_KIND = {"batch": "raw-llm", "agentic": "raw-async"}
+"""The raw vLLM engine each workload is compared with."""
+
+
+def start_servers(kinds: list[str], args: argparse.Namespace, logs: Path, say: Callable[[str], None]) -> tuple[dict[str, Proc], dict]:
+    """One server per kind: the first of ``args.start_first`` alone (it fills vLLM's compile
+    cache), then the others together (each KV cache has its size given, so none sizes itself
+    from what the others hold while they start); one at a time without ``--kv-cache-gib``."""
+    first = args.start_first if args.start_first in kinds else kinds[0]
+    waves = [[first], [k for k in kinds if k != first]] if args.kv_cache_gib else [[k] for k in kinds]
+    procs: dict[str, Proc] = {}
+    info: dict[str, dict] = {}
+    for wave in waves:
+        for k in wave:
+            procs[k] = Proc(k, k, args, logs / f"server_{k}.log")
+        for k in wave:
+            ans = procs[k].answer(args.start_timeout_s)
+            if not ans.get("ready"):
+                raise RuntimeError(f"{k} did not start: {ans.get('error')}")
+            info[k] = {"kind": k, "start_s": ans["start_s"], "resolved": ans["resolved"]}
+            say(f"{k} up in {ans['start_s']} s: {ans['resolved']}")
+    return procs, info
+
+
 def coordinate(args: argparse.Namespace) -> int:
+    """Every workload of ``--workload`` (comma-separated) on one set of engines: raw's for each
+    workload, the two cores shared; one results file per workload in ``--out-dir``."""
     t_start = time.monotonic()
     device = read_device()
-    out = Path(args.out)
-    logs = Path(args.log_dir or out.parent)
-    logs.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workloads = args.workload.split(",")
+    variants = args.variants.split(",")
+    if not set(workloads) <= set(WORKLOADS) or not workloads:
+        raise SystemExit(f"--workload: some of {WORKLOADS}, got {workloads}")
+    if RAW not in variants or not set(variants) <= {RAW, *CORES}:
+        raise SystemExit(f"--variants: raw and some of {CORES}, got {variants}")
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - t_start:6.0f}s] {msg}", flush=True)
+
     subprocess.run([sys.executable, __file__, "build", "--workdir", args.workdir], check=True)
-    if args.workload == "agentic":
+    if "agentic" in workloads:
         sessions = agentic_sessions(args.sessions, args.turns, system_len=args.system_len, task_len=args.task_len,
                                     obs_min=args.obs_min, obs_max=args.obs_max, seed=0)
         need = longest_context(sessions, args.max_tokens_turn)
         if need > args.max_model_len:
             raise SystemExit(f"a session reaches {need} tokens > --max-model-len {args.max_model_len}")
-    kinds = {RAW: "raw-llm" if args.workload == "batch" else "raw-async", "thread": "thread", "process": "process"}
-    variants = args.variants.split(",")
-    if RAW not in variants or not set(variants) <= {RAW, *CORES}:
-        raise SystemExit(f"--variants: raw and some of {CORES}, got {variants}")
-    doc: dict[str, Any] = {"device": device, "workload": args.workload, "command": " ".join(sys.argv), "args": vars(args),
-                           "variants": variants, "servers": {}, "runs": []}
-
-    def save() -> None:
-        out.write_text(json.dumps(doc, indent=1))
-
+    kinds = [RAW_KIND[w] for w in workloads if RAW in variants] + [v for v in variants if v != RAW]
     procs: dict[str, Proc] = {}
+    status = 0
     try:
-        # the first alone (it fills vLLM's compile cache), then the others together: each
-        # has its KV cache size given (--kv-cache-gib), so none sizes itself from what the
-        # others hold while they start
-        first = args.start_first if args.start_first in variants else variants[0]
-        waves = [[first], [v for v in variants if v != first]] if args.kv_cache_gib else [[v] for v in variants]
-        for wave in waves:
-            for v in wave:
-                procs[v] = Proc(v, kinds[v], args, logs / f"server_{args.workload}_{v}.log")
-            for v in wave:
-                ans = procs[v].answer(args.start_timeout_s)
-                if not ans.get("ready"):
-                    raise RuntimeError(f"{v} did not start: {ans.get('error')}")
-                doc["servers"][v] = {"kind": kinds[v], "start_s": ans["start_s"], "resolved": ans["resolved"]}
-                print(f"[{time.monotonic() - t_start:6.0f}s] {v} ({kinds[v]}) up in {ans['start_s']} s: {ans['resolved']}", flush=True)
-        save()
+        procs, info = start_servers(kinds, args, out_dir, say)
         seq = 0
-        plan = [(-1, v, True) for v in variants] + [(r, v, False) for r, v in interleaved_order(variants, args.reps)]
-        for rep, v, warm in plan:
-            if time.monotonic() - t_start > args.deadline_s:
-                print(f"deadline of {args.deadline_s} s reached: stopping before rep {rep} {v}", flush=True)
-                doc["stopped_at_deadline"] = True
-                break
-            spec = workload_spec(args, args.workload, max(rep, 0), warm)
-            ans = procs[v].ask({"cmd": "run", "spec": spec}, args.run_timeout_s)
-            if not ans.get("ok"):
-                raise RuntimeError(f"{v} rep {rep}: {ans.get('error')}")
-            row = {"seq": seq, "rep": rep, "variant": v, "warmup": warm, **{k: val for k, val in ans.items() if k != "ok"}}
-            seq += 1
-            doc["runs"].append(row)
-            save()
-            print(f"[{time.monotonic() - t_start:6.0f}s] {'warm-up' if warm else f'rep {rep}'} {v}: "
-                  f"{row['tokens_per_s']:.0f} tokens/s ({row['generated_tokens']} tokens in {row['wall_s']:.2f} s, "
-                  f"{row['cpu_s']} CPU s{', step() ' + str(row['step_seconds']) + ' s' if 'step_seconds' in row else ''})", flush=True)
+        for workload in workloads:
+            kind_of = {v: RAW_KIND[workload] if v == RAW else v for v in variants}
+            doc: dict[str, Any] = {"device": device, "workload": workload, "command": " ".join(sys.argv), "args": vars(args),
+                                   "variants": variants, "servers": {v: info[kind_of[v]] for v in variants}, "runs": []}
+            path = out_dir / f"engine_repeated_{workload}.json"
+            path.write_text(json.dumps(doc, indent=1))
+            plan = [(-1, v, True) for v in variants] + [(r, v, False) for r, v in interleaved_order(variants, args.reps)]
+            try:
+                for rep, v, warm in plan:
+                    if time.monotonic() - t_start > args.deadline_s:
+                        say(f"deadline of {args.deadline_s} s reached: stopping before {workload} rep {rep} {v}")
+                        doc["stopped_at_deadline"] = True
+                        break
+                    spec = workload_spec(args, workload, max(rep, 0), warm)
+                    ans = procs[kind_of[v]].ask({"cmd": "run", "spec": spec}, args.run_timeout_s)
+                    if not ans.get("ok"):
+                        raise RuntimeError(f"{workload} {v} rep {rep}: {ans.get('error')}")
+                    row = {"seq": seq, "rep": rep, "variant": v, "warmup": warm, **{k: x for k, x in ans.items() if k != "ok"}}
+                    seq += 1
+                    doc["runs"].append(row)
+                    path.write_text(json.dumps(doc, indent=1))
+                    say(f"{workload} {'warm-up' if warm else f'rep {rep}'} {v}: {row['tokens_per_s']:.0f} tokens/s "
+                        f"({row['generated_tokens']} tokens in {row['wall_s']:.2f} s, {row['cpu_s']} CPU s"
+                        f"{', step() ' + str(row['step_seconds']) + ' s' if 'step_seconds' in row else ''})")
+            except Exception as exc:  # noqa: BLE001 - recorded; the next workload still runs
+                say(f"{workload} failed: {exc!r}")
+                doc["error"] = repr(exc)
+                path.write_text(json.dumps(doc, indent=1))
+                status = 1
+            for core, rs in ratios_by_rep(doc["runs"]).items():
+                if rs:
+                    sm = summarize(rs)
+                    say(f"{workload} {core}/raw: median {sm['median']:.3f}, range {sm['min']:.3f}-{sm['max']:.3f}, "
+                        f"ratios {rs} -> aim {'met' if sm['meets_aim'] else 'missed'}")
     finally:
         for p in procs.values():
             p.close()
-        save()
-    ratios = ratios_by_rep(doc["runs"])
-    for core, rs in ratios.items():
-        if rs:
-            s = summarize(rs)
-            print(f"{args.workload} {core}/raw: median {s['median']:.3f}, range {s['min']:.3f}-{s['max']:.3f}, "
-                  f"ratios {rs} -> aim {'met' if s['meets_aim'] else 'missed'}", flush=True)
-    return 0
+        (out_dir / "DONE").write_text(str(status))
+    return status
 
 
 def add_server_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workdir", default="/tmp/ferryman-bench-engine")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.28,
-                    help="each engine's share (three engines live on the GPU together)")
-    ap.add_argument("--kv-cache-gib", type=float, default=16.0, help="each engine's KV cache (0: from the share)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.2,
+                    help="each engine's share (four engines live on the GPU together; with --kv-cache-gib only "
+                         "checked against the memory free at its start)")
+    ap.add_argument("--kv-cache-gib", type=float, default=12.0, help="each engine's KV cache (0: from the share)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384,
@@ -635,7 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     run = sub.add_parser("run", help="start the engines and time them, interleaved")
-    run.add_argument("--workload", choices=WORKLOADS, required=True)
+    run.add_argument("--workload", default="batch,agentic", help="comma-separated: batch, agentic (run in this order)")
     run.add_argument("--variants", default="raw,thread,process")
     run.add_argument("--start-first", default="thread", help="the engine started alone, before the others start together")
     run.add_argument("--reps", type=int, default=5)
@@ -648,13 +674,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--max-tokens-turn", type=int, default=128)
     run.add_argument("--system-len", type=int, default=256)
     run.add_argument("--task-len", type=int, default=64)
-    run.add_argument("--obs-min", type=int, default=32)
-    run.add_argument("--obs-max", type=int, default=128)
+    run.add_argument("--obs-min", type=int, default=16)
+    run.add_argument("--obs-max", type=int, default=64)
     run.add_argument("--start-timeout-s", type=float, default=300)
     run.add_argument("--run-timeout-s", type=float, default=180)
-    run.add_argument("--deadline-s", type=float, default=540, help="start no run after this many seconds")
-    run.add_argument("--out", required=True)
-    run.add_argument("--log-dir", default=None)
+    run.add_argument("--deadline-s", type=float, default=1e9, help="start no run after this many seconds")
+    run.add_argument("--out-dir", required=True, help="engine_repeated_<workload>.json, the servers' logs, DONE at the end")
     add_server_args(run)
     srv = sub.add_parser("serve", help="(internal) one engine server")
     srv.add_argument("--kind", required=True, choices=["raw-llm", "raw-async", *CORES])
@@ -679,7 +704,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     files = [json.loads(Path(f).read_text()) for f in args.files]
     report = build_report(files)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    Path(args.md).write_text(render_md(report, files, args.command or "\n".join(f["command"] for f in files)))
+    Path(args.md).write_text(render_md(report, files, args.command or "\n".join(dict.fromkeys(f["command"] for f in files))))
     for row in report["rows"]:
         print(f"{row['core']} {row['workload']}: median {row['median']:.3f}, range {row['min']:.3f}-{row['max']:.3f}")
     return 0
