@@ -388,7 +388,9 @@ class Server:
         from ferryman.types import SamplingParams
 
         params = SamplingParams(max_tokens=spec["max_tokens"], temperature=1.0)
-        steps0 = getattr(getattr(self.engine, "_core", None), "step_seconds", None)
+        # seconds inside vLLM's step(), counted by the thread core (the process core's step
+        # runs in vLLM's own process, uncounted)
+        steps0 = self.engine._core.step_seconds if self.kind == "thread" else None  # noqa: SLF001
         cpu0 = cpu_seconds()
         if spec["workload"] == "batch":
             prompts = batch_prompts(spec["num_prompts"], spec["prompt_len"], spec["seed"])

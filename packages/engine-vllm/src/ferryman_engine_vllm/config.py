@@ -68,7 +68,11 @@ class VLLMEngineConfig(PluginConfig):
     max_num_seqs: int = Field(256, ge=1)
     """Most requests scheduled together."""
     max_num_batched_tokens: int | None = Field(None, ge=1)
-    """Token budget of one scheduler step (vLLM's default when unset)."""
+    """Token budget of one scheduler step. Unset: vLLM's default for an engine built as both
+    cores build theirs (``UsageContext.ENGINE_CONTEXT``), which in vLLM 0.24 is 2048 tokens,
+    while vLLM's own offline ``LLM`` takes 16384 on a GPU of >= 70 GiB (8192 on smaller ones).
+    Set it to compare with ``LLM`` like for like (``bench/engine_repeated.py`` sets 16384 for
+    every engine)."""
     enable_prefix_caching: bool = True
     """vLLM's automatic prefix caching (block hashes): a partial-rollout resume or the next
     turn of an agent prefills only what is new."""
